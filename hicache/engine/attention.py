@@ -1,0 +1,126 @@
+"""Paged attention over the shared GPU KV pool.
+
+The pool is one tensor ``kv[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``; a token at
+position p of a sequence lives in flat slot ``page_table[p // page_size] * page_size + p % page_size``.
+`AttentionPlan` is built once per forward step (it depends only on the batch, not the layer) and
+`paged_attention` runs one layer. This is the CPU / reference implementation with torch SDPA; a GPU
+kernel (flash-attn varlen, a batched paged-decode kernel) can replace `paged_attention` behind the same
+signature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionPlan:
+    """Per-step indexing shared by all layers.
+
+    Sequences with one new token (decode) are attended in one padded SDPA call; sequences with several new
+    tokens (prefill chunks) are attended one by one.
+    """
+
+    decode_rows: Tensor  # [D] row of each decode sequence's token in the [T] new-token batch
+    decode_slots: Tensor  # [D, max_len] flat KV slots of each decode sequence, padded
+    decode_mask: Tensor  # [D, 1, 1, max_len] True where the key is a real, visible token
+    prefill: list[tuple[int, int, Tensor, Tensor | None]]  # (row start, row end, slots, mask or None)
+
+
+def slots_of(page_table: Tensor, seq_len: int, page_size: int) -> Tensor:
+    """Flat KV slots of positions [0, seq_len) of a sequence with this page table."""
+    offsets = torch.arange(page_size, device=page_table.device)
+    return (page_table[:, None] * page_size + offsets).reshape(-1)[:seq_len]
+
+
+def plan_attention(
+    positions: Tensor, seq_lens: list[int], new_lens: list[int], page_tables: list[Tensor], page_size: int
+) -> AttentionPlan:
+    """Build the gather indices and masks for one forward step."""
+    device = positions.device
+    decode_rows: list[int] = []
+    decode_slots: list[Tensor] = []
+    prefill: list[tuple[int, int, Tensor, Tensor | None]] = []
+    start = 0
+    for seq_len, new_len, page_table in zip(seq_lens, new_lens, page_tables):
+        if new_len > seq_len or page_table.numel() * page_size < seq_len:
+            raise ValueError(
+                f"sequence with seq_len={seq_len}, new_len={new_len} has {page_table.numel()} pages "
+                f"of {page_size}"
+            )
+        slots = slots_of(page_table.to(device), seq_len, page_size)
+        end = start + new_len
+        if new_len == 1:
+            decode_rows.append(start)
+            decode_slots.append(slots)
+        elif seq_len == new_len:
+            prefill.append((start, end, slots, None))  # no cached prefix: plain causal attention
+        else:
+            # new query at absolute position q sees keys [0, q]
+            key_positions = torch.arange(seq_len, device=device)
+            mask = key_positions[None, :] <= positions[start:end, None]
+            prefill.append((start, end, slots, mask))
+        start = end
+    if start != positions.numel():
+        raise ValueError(f"new_lens sum to {start} but the batch has {positions.numel()} tokens")
+
+    lengths = [s.numel() for s in decode_slots]
+    max_len = max(lengths, default=0)
+    # padding repeats the sequence's first slot: masked out, but never uninitialised (NaN) pool memory
+    slot_matrix = torch.empty(len(decode_slots), max_len, dtype=torch.int64, device=device)
+    for i, slots in enumerate(decode_slots):
+        slot_matrix[i, : slots.numel()] = slots
+        slot_matrix[i, slots.numel() :] = slots[0]
+    lengths_tensor = torch.tensor(lengths, device=device, dtype=torch.int64)
+    mask = torch.arange(max_len, device=device)[None, :] < lengths_tensor[:, None]
+    return AttentionPlan(
+        decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
+        decode_slots=slot_matrix,
+        decode_mask=mask[:, None, None, :],
+        prefill=prefill,
+    )
+
+
+def paged_attention(
+    q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, out_slots: Tensor, plan: AttentionPlan
+) -> Tensor:
+    """Write this step's K/V into the pool, then attend each query to its sequence's cached + new keys.
+
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; kv_layer: [2, num_pages, page_size,
+    num_kv_heads, head_dim], a view into the pool (written in place). Returns [T, num_heads, head_dim].
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    k_pool = kv_layer[0].view(-1, num_kv_heads, head_dim)
+    v_pool = kv_layer[1].view(-1, num_kv_heads, head_dim)
+    k_pool[out_slots] = k
+    v_pool[out_slots] = v
+    out = torch.empty_like(q)
+
+    if plan.decode_rows.numel():
+        # one query per sequence: the query heads of a KV group act as `group` queries on its keys
+        num_decode = plan.decode_rows.numel()
+        q_dec = q[plan.decode_rows].view(num_decode, num_kv_heads, group, head_dim)
+        k_dec = k_pool[plan.decode_slots].transpose(1, 2)  # [D, kv_heads, max_len, head_dim]
+        v_dec = v_pool[plan.decode_slots].transpose(1, 2)
+        o_dec = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=plan.decode_mask)
+        out[plan.decode_rows] = o_dec.reshape(num_decode, num_heads, head_dim)
+
+    for start, end, slots, mask in plan.prefill:
+        q_seq = q[start:end].transpose(0, 1)  # [heads, new_len, head_dim]
+        if mask is None:  # nothing cached: the keys are exactly this step's
+            k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+        else:
+            k_seq = k_pool[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+            v_seq = v_pool[slots].transpose(0, 1)
+        if group > 1:
+            k_seq = k_seq.repeat_interleave(group, dim=0)
+            v_seq = v_seq.repeat_interleave(group, dim=0)
+        o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=mask, is_causal=mask is None)
+        out[start:end] = o_seq.transpose(0, 1)
+    return out

