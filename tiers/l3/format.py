@@ -1,0 +1,125 @@
+"""On-disk format of the L3 page store: slab header, index key and index record (see docs/l3-format.md)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+FORMAT_VERSION = 1
+MAGIC = b"HICACHL3"
+HEADER_BYTES = 4096  # the header block; slot 0 starts right after it
+ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
+KEY_BYTES = 16
+NAMESPACE_BYTES = 16
+
+# magic, version, header_bytes, namespace, page_bytes, slot_bytes, slot_count, file_index, reserved,
+# created_ns
+_HEADER = struct.Struct("<8sII16sQQQIIQ")
+_HEADER_CHECKSUM = struct.Struct("<Q")  # xxh3_64 of the fields above, stored right after them
+# version, flags, length, slot, checksum, last_access_ns
+_RECORD = struct.Struct("<HHIQQQ")
+RECORD_BYTES = _RECORD.size
+
+
+class L3Error(OSError):
+    """A store that cannot be opened or used; the message names the path and the reason."""
+
+
+class VersionMismatch(ValueError):
+    """A slab header written by another format version."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"format version {version}, this build reads version {FORMAT_VERSION}")
+        self.version = version
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= value."""
+    return (value + multiple - 1) // multiple * multiple
+
+
+def slot_bytes_for(page_bytes: int) -> int:
+    """Bytes one slot takes on disk: the page rounded up to the O_DIRECT alignment."""
+    return round_up(page_bytes, ALIGN)
+
+
+def checksum(buffer) -> int:
+    """xxh3_64 of a buffer-protocol object (bytes, memoryview, numpy array)."""
+    return xxhash.xxh3_64_intdigest(buffer)
+
+
+@dataclass(frozen=True)
+class SlabHeader:
+    """The first 4 KiB of a slab file."""
+
+    namespace: bytes
+    page_bytes: int
+    slot_bytes: int
+    slot_count: int
+    file_index: int = 0
+    created_ns: int = 0
+    version: int = FORMAT_VERSION
+
+    def pack(self) -> bytes:
+        """The full 4 KiB header block."""
+        fields = _HEADER.pack(MAGIC, self.version, HEADER_BYTES, self.namespace, self.page_bytes,
+                              self.slot_bytes, self.slot_count, self.file_index, 0, self.created_ns)
+        block = fields + _HEADER_CHECKSUM.pack(checksum(fields))
+        return block + bytes(HEADER_BYTES - len(block))
+
+    @staticmethod
+    def unpack(block: bytes) -> SlabHeader:
+        """Parse a header block; raises ValueError naming what is wrong (magic, checksum, size)."""
+        end = _HEADER.size + _HEADER_CHECKSUM.size
+        if len(block) < end:
+            raise ValueError(f"header is {len(block)} bytes, expected {HEADER_BYTES}")
+        fields = block[:_HEADER.size]
+        (magic, version, header_bytes, namespace, page_bytes, slot_bytes, slot_count, file_index, _,
+         created) = _HEADER.unpack(fields)
+        if magic != MAGIC:
+            raise ValueError(f"bad magic {magic!r} (expected {MAGIC!r})")
+        if version != FORMAT_VERSION:  # checked before the checksum: another version may sum differently
+            raise VersionMismatch(version)
+        (stored,) = _HEADER_CHECKSUM.unpack(block[_HEADER.size:end])
+        if stored != checksum(fields):
+            raise ValueError("header checksum mismatch")
+        if header_bytes != HEADER_BYTES:
+            raise ValueError(f"header size {header_bytes} (expected {HEADER_BYTES})")
+        return SlabHeader(namespace, page_bytes, slot_bytes, slot_count, file_index, created, version)
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of a slot in the slab file."""
+        return HEADER_BYTES + slot * self.slot_bytes
+
+    def file_bytes(self) -> int:
+        """Size of a complete slab file."""
+        return HEADER_BYTES + self.slot_count * self.slot_bytes
+
+
+def index_key(namespace: bytes, key: bytes) -> bytes:
+    """LMDB key of a page: namespace (16 bytes) + page key (16 bytes)."""
+    return namespace + key
+
+
+@dataclass(frozen=True)
+class IndexRecord:
+    """LMDB value of a page: where it lives and how to verify it."""
+
+    slot: int
+    length: int
+    checksum: int
+    last_access_ns: int
+    version: int = FORMAT_VERSION
+
+    def pack(self) -> bytes:
+        return _RECORD.pack(self.version, 0, self.length, self.slot, self.checksum, self.last_access_ns)
+
+    @staticmethod
+    def unpack(value: bytes) -> IndexRecord:
+        """Parse a record; raises ValueError if it has the wrong size."""
+        if len(value) != RECORD_BYTES:
+            raise ValueError(f"record is {len(value)} bytes, expected {RECORD_BYTES}")
+        version, _, length, slot, digest, access = _RECORD.unpack(value)
+        return IndexRecord(slot, length, digest, access, version)

@@ -1,0 +1,237 @@
+"""Slot data paths: POSIX preadv/pwritev (O_DIRECT or buffered) on a thread pool, and kvikio (GPUDirect).
+
+Every backend writes the same page bytes at the same slot offsets and returns the xxh3_64 of exactly the
+bytes it wrote or read, so the store can verify reads without knowing which path ran.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from tiers.l3.format import ALIGN, checksum
+from tiers.l3.slab import SlabFile
+
+IOV_MAX = 1024
+
+
+@dataclass
+class SlotResult:
+    """Outcome of one page's I/O: `digest` of the bytes moved, or `error` (an OSError; "short" reads too)."""
+
+    digest: int | None = None
+    error: OSError | None = None
+
+
+def _host_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy()).cast("B")
+
+
+def _is_aligned(tensor: torch.Tensor, slot_bytes: int) -> bool:
+    """True if the tensor can be the O_DIRECT buffer itself (CPU, 4 KiB aligned, fills the slot)."""
+    return (tensor.device.type == "cpu" and tensor.data_ptr() % ALIGN == 0
+            and tensor.numel() == slot_bytes)
+
+
+class _Bounce(threading.local):
+    """A per-thread, page-aligned (mmap) staging buffer, grown on demand."""
+
+    def get(self, size: int) -> tuple[memoryview, torch.Tensor]:
+        if getattr(self, "size", 0) < size:
+            self.buffer = mmap.mmap(-1, size)
+            self.view = memoryview(self.buffer)
+            self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8)
+            self.size = size
+        return self.view, self.tensor
+
+
+class PosixSlotIO:
+    """preadv/pwritev at slot offsets; adjacent slots coalesce into one vectored call per chunk."""
+
+    def __init__(self, slab: SlabFile, page_bytes: int, io_threads: int, max_io_bytes: int) -> None:
+        self.slab = slab
+        self.name = "posix" if slab.direct else "buffered"
+        self.page_bytes = page_bytes
+        self.slot_bytes = slab.header.slot_bytes
+        self.io_threads = max(1, io_threads)
+        self.max_slots_per_io = max(1, min(IOV_MAX, max_io_bytes // self.slot_bytes))
+        self.pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="l3-io")
+        self.bounce = _Bounce()
+
+    def _chunks(self, slots: Sequence[int]) -> list[list[int]]:
+        """Item indices grouped into runs of consecutive slots, each at most one I/O long."""
+        order = sorted(range(len(slots)), key=lambda i: slots[i])
+        per_io = max(1, min(self.max_slots_per_io, -(-len(order) // self.io_threads)))
+        chunks: list[list[int]] = []
+        for i in order:
+            last = chunks[-1] if chunks else None
+            if last and len(last) < per_io and slots[i] == slots[last[-1]] + 1:
+                last.append(i)
+            else:
+                chunks.append([i])
+        return chunks
+
+    def _run(self, job, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[SlotResult]:
+        results = [SlotResult() for _ in slots]
+        chunks = self._chunks(slots)
+        if len(chunks) == 1:
+            job(chunks[0], slots, tensors, results)
+        else:
+            for f in [self.pool.submit(job, c, slots, tensors, results) for c in chunks]:
+                f.result()
+        return results
+
+    def write(self, slots: Sequence[int], pages: Sequence[torch.Tensor]) -> list[SlotResult]:
+        """Write each page to its slot (zero-padded to slot_bytes). Not synced: call slab.sync()."""
+        return self._run(self._write_chunk, slots, pages)
+
+    def read(self, slots: Sequence[int], out: Sequence[torch.Tensor]) -> list[SlotResult]:
+        """Read each slot into its tensor; a slot cut short by EOF reports an ENODATA error."""
+        return self._run(self._read_chunk, slots, out)
+
+    def _write_chunk(self, chunk: list[int], slots, pages, results: list[SlotResult]) -> None:
+        bounce, bounce_tensor = self.bounce.get(len(chunk) * self.slot_bytes)
+        iov: list[memoryview] = []
+        for k, i in enumerate(chunk):
+            page = pages[i]
+            if _is_aligned(page, self.slot_bytes):
+                view = _host_view(page)
+            else:  # stage through the aligned buffer; padding past the page is zero
+                start = k * self.slot_bytes
+                bounce_tensor[start:start + self.page_bytes].copy_(page)
+                bounce_tensor[start + self.page_bytes:start + self.slot_bytes].zero_()
+                view = bounce[start:start + self.slot_bytes]
+            results[i].digest = checksum(view[:self.page_bytes])
+            iov.append(view)
+        try:
+            _pwritev_all(self.slab.data_fd, iov, self.slab.header.slot_offset(slots[chunk[0]]))
+        except OSError as e:
+            for i in chunk:
+                results[i] = SlotResult(error=e)
+
+    def _read_chunk(self, chunk: list[int], slots, out, results: list[SlotResult]) -> None:
+        bounce, bounce_tensor = self.bounce.get(len(chunk) * self.slot_bytes)
+        direct = [_is_aligned(out[i], self.slot_bytes) for i in chunk]
+        iov = [_host_view(out[i]) if direct[k] else bounce[k * self.slot_bytes:(k + 1) * self.slot_bytes]
+               for k, i in enumerate(chunk)]
+        try:
+            got = _preadv_all(self.slab.data_fd, iov, self.slab.header.slot_offset(slots[chunk[0]]))
+        except OSError as e:
+            for i in chunk:
+                results[i] = SlotResult(error=e)
+            return
+        for k, i in enumerate(chunk):
+            if got < (k + 1) * self.slot_bytes:  # slot [k*slot_bytes, (k+1)*slot_bytes) not fully read
+                results[i] = SlotResult(error=OSError(errno.ENODATA, "short read (slab truncated?)"))
+                continue
+            if not direct[k]:
+                out[i].copy_(bounce_tensor[k * self.slot_bytes:k * self.slot_bytes + self.page_bytes])
+            results[i].digest = checksum(iov[k][:self.page_bytes])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _pwritev_all(fd: int, iov: list[memoryview], offset: int) -> None:
+    """pwritev until every byte is written; raises OSError(EIO) if the device stops taking bytes."""
+    total = sum(len(v) for v in iov)
+    done = os.pwritev(fd, iov, offset)
+    while done < total:
+        rest = _skip(iov, done)
+        n = os.pwritev(fd, rest, offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write: {done} of {total} bytes")
+        done += n
+
+
+def _preadv_all(fd: int, iov: list[memoryview], offset: int) -> int:
+    """preadv until the buffers are full or EOF; returns the bytes read."""
+    total = sum(len(v) for v in iov)
+    done = os.preadv(fd, iov, offset)
+    while 0 < done < total:
+        n = os.preadv(fd, _skip(iov, done), offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
+
+
+def _skip(iov: list[memoryview], count: int) -> list[memoryview]:
+    """The iovec list with its first `count` bytes removed."""
+    rest = []
+    for v in iov:
+        if count >= len(v):
+            count -= len(v)
+            continue
+        rest.append(v[count:])
+        count = 0
+    return rest
+
+
+class KvikioSlotIO:
+    """kvikio.CuFile pread/pwrite straight between slot offsets and CUDA (or host) buffers."""
+
+    name = "kvikio"
+
+    def __init__(self, slab: SlabFile, page_bytes: int) -> None:
+        import kvikio  # optional extra: hicache[gds]
+
+        self.slab = slab
+        self.page_bytes = page_bytes
+        self.file = kvikio.CuFile(slab.path, "r" if slab.read_only else "r+")
+
+    @staticmethod
+    def _buffer(tensor: torch.Tensor):
+        return tensor if tensor.is_cuda else tensor.numpy()
+
+    @staticmethod
+    def _digest(tensor: torch.Tensor) -> int:
+        host = tensor.cpu() if tensor.is_cuda else tensor
+        return checksum(host.numpy())
+
+    def _run(self, method, slots, tensors, digest_first: bool) -> list[SlotResult]:
+        results = [SlotResult() for _ in slots]
+        if digest_first:
+            for r, t in zip(results, tensors):
+                r.digest = self._digest(t)
+        futures = [method(self._buffer(t), self.page_bytes, self.slab.header.slot_offset(s))
+                   for s, t in zip(slots, tensors)]
+        for i, future in enumerate(futures):
+            try:
+                n = future.get()
+                if n != self.page_bytes:
+                    raise OSError(errno.ENODATA, f"short transfer: {n} of {self.page_bytes} bytes")
+                if not digest_first:
+                    results[i].digest = self._digest(tensors[i])
+            except OSError as e:
+                results[i] = SlotResult(error=e)
+            except RuntimeError as e:
+                results[i] = SlotResult(error=OSError(errno.EIO, str(e)))
+        return results
+
+    def write(self, slots: Sequence[int], pages: Sequence[torch.Tensor]) -> list[SlotResult]:
+        return self._run(self.file.pwrite, slots, pages, digest_first=True)
+
+    def read(self, slots: Sequence[int], out: Sequence[torch.Tensor]) -> list[SlotResult]:
+        return self._run(self.file.pread, slots, out, digest_first=False)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def kvikio_usable() -> tuple[bool, str]:
+    """Whether the kvikio path can run here, and why not."""
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    try:
+        import kvikio  # noqa: F401
+    except Exception as e:  # ImportError, or OSError when libcuda/libcufile is missing
+        return False, f"kvikio import failed: {e}"
+    return True, ""
