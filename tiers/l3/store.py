@@ -83,6 +83,7 @@ class L3Store:
         self._limbo: set[int] = set()  # removed from memory, index delete not yet committed
         self._quarantined: set[int] = set()  # index state unknown after an error; unused until reopen
         self._dirty_access: set[bytes] = set()
+        self._last_stamp = 0  # access times are strictly increasing, so LRU order survives a reopen
         self._admission = admission_policy(admission_hits)
         self._state = "read_only" if read_only else "ok"
         self._degraded_at = 0.0
@@ -205,6 +206,7 @@ class L3Store:
             else:
                 self._slab.ensure_size()
         records.sort(key=lambda item: item[1].last_access_ns)
+        self._last_stamp = records[-1][1].last_access_ns if records else 0
         for key, record in records:
             self._entries[key] = _Entry(record.slot, record.checksum, record.last_access_ns)
         self._free = [slot for slot in range(self._slab.header.slot_count) if slot not in used]
@@ -225,6 +227,11 @@ class L3Store:
         """Pages currently indexed."""
         with self._lock:
             return len(self._entries)
+
+    def keys(self) -> list[bytes]:
+        """Stored page keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Index probe (in memory, no I/O)."""
@@ -291,7 +298,6 @@ class L3Store:
             return results
         outcomes = self._io.read([slot for _, slot, _ in plan], [out[i] for i, _, _ in plan])
         bad: list[tuple[bytes, int]] = []
-        now = time.time_ns()
         with self._lock:
             for (i, slot, digest), outcome in zip(plan, outcomes):
                 self._unpin(slot)
@@ -301,7 +307,7 @@ class L3Store:
                     self._counters["hits"] += 1
                     self._counters["read_bytes"] += self.page_bytes
                     if entry is not None and entry.slot == slot and not self.read_only:
-                        entry.access_ns = now
+                        entry.access_ns = self._stamp()
                         self._entries.move_to_end(keys[i])
                         self._dirty_access.add(keys[i])
                     continue
@@ -429,7 +435,7 @@ class L3Store:
                     results[i] = True
                     self._counters["already_present"] += 1
                     self._entries.move_to_end(key)  # a re-offered page is hot
-                    self._entries[key].access_ns = time.time_ns()
+                    self._entries[key].access_ns = self._stamp()
                     self._dirty_access.add(key)
                 elif key in self._in_flight:
                     self._counters["busy"] += 1
@@ -483,19 +489,20 @@ class L3Store:
     def _finish_writes(self, keys, group: list[int], slots: list[int], digests: list[int | None],
                        results: list[bool]) -> None:
         """Commit the written pages' index entries; failed pages' slots go back to the free list."""
-        now = time.time_ns()
-        puts = [(index_key(self.namespace, keys[i]), IndexRecord(slot, self.page_bytes, d, now).pack())
-                for i, slot, d in zip(group, slots, digests) if d is not None]
         with self._lock:
+            first = self._stamp(len(group))
             touches = self._take_touches()
+        stamps = range(first, first + len(group))  # group order is LRU order
+        puts = [(index_key(self.namespace, keys[i]), IndexRecord(slot, self.page_bytes, d, t).pack())
+                for i, slot, d, t in zip(group, slots, digests, stamps) if d is not None]
         committed = bool(puts or touches) and self._commit(puts=puts, touches=touches)
         if puts and not committed:
             self._degrade("index commit failed", len(puts))
         with self._lock:
-            for i, slot, d in zip(group, slots, digests):
+            for i, slot, d, t in zip(group, slots, digests, stamps):
                 del self._in_flight[keys[i]]
                 if d is not None and committed:
-                    self._entries[keys[i]] = _Entry(slot, d, now)
+                    self._entries[keys[i]] = _Entry(slot, d, t)
                     results[i] = True
                     self._counters["writes"] += 1
                     self._counters["write_bytes"] += self.page_bytes
@@ -533,6 +540,12 @@ class L3Store:
         if not ok:
             self._degrade("index delete failed", 0)
         return ok
+
+    def _stamp(self, count: int = 1) -> int:
+        """First of `count` strictly increasing access times (caller holds the lock)."""
+        first = max(time.time_ns(), self._last_stamp + 1)
+        self._last_stamp = first + count - 1
+        return first
 
     def _take_touches(self) -> list[tuple[bytes, int, int]]:
         """Pending access-time updates (caller holds the lock)."""
