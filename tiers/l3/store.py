@@ -559,13 +559,14 @@ class L3Store:
 
     def _count_read_failure(self, key: bytes, slot: int, error: OSError | None) -> bool:
         """Log and count a failed read (caller holds the lock); True if the entry must be dropped."""
+        action = "kept (read-only)" if self.read_only else "dropping it"
         if error is None:
             self._counters["checksum_failures"] += 1
-            log.error("%s: checksum mismatch for key %s in slot %d; dropping it", self.path, key.hex(), slot)
+            log.error("%s: checksum mismatch for key %s in slot %d; %s", self.path, key.hex(), slot, action)
             return True
         if error.errno == errno.ENODATA:
             self._counters["short_reads"] += 1
-            log.error("%s: short read for key %s in slot %d; dropping it", self.path, key.hex(), slot)
+            log.error("%s: short read for key %s in slot %d; %s", self.path, key.hex(), slot, action)
             return True
         self._counters["read_errors"] += 1
         log.error("%s: read error for key %s in slot %d: %s", self.path, key.hex(), slot, error)

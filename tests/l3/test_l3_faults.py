@@ -1,0 +1,239 @@
+"""Injected I/O errors, damaged files and bad input: clear errors or handled states, never garbage."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import hashlib
+import os
+import subprocess
+
+import pytest
+import torch
+from l3_helpers import NAMESPACE, PYTHON, content, empty, key, subprocess_env
+
+from tiers.l3 import L3Error, L3Store
+from tiers.l3.format import HEADER_BYTES
+from tiers.l3.inspect import format_report, inspect_store
+
+
+def _raise(code: int):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return fail
+
+
+def _write(store: L3Store, ids, page_bytes: int = 8192) -> list[bool]:
+    keys = [key(i) for i in ids]
+    return store.write_pages(keys, [content(k, page_bytes) for k in keys])
+
+
+def _reads_back(store: L3Store, ids, page_bytes: int = 8192) -> list[bool]:
+    keys = [key(i) for i in ids]
+    out = empty(page_bytes, len(keys))
+    ok = store.read_pages(keys, out)
+    return [o and torch.equal(t, content(k, page_bytes)) for o, t, k in zip(ok, out, keys)]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_write_error_degrades_and_indexes_nothing(open_store, monkeypatch, code):
+    store = open_store(degraded_retry_s=3600)
+    assert all(_write(store, range(3)))
+    monkeypatch.setattr(os, "pwritev", _raise(code))
+    assert _write(store, range(3, 6)) == [False] * 3
+    stats = store.stats()
+    assert stats["state"] == "degraded" and stats["write_errors"] == 3 and stats["pages"] == 3
+    assert store.contains([key(i) for i in range(6)]) == [True] * 3 + [False] * 3
+    monkeypatch.undo()
+    assert _write(store, [7]) == [False]  # refused cheaply until the retry interval passes
+    assert store.stats()["write_refused"] == 1
+    assert _reads_back(store, range(3)) == [True] * 3  # reads keep working
+    store.check_integrity()
+
+
+def test_degraded_store_recovers_after_a_successful_probe(open_store, monkeypatch):
+    store = open_store(degraded_retry_s=0)
+    monkeypatch.setattr(os, "fdatasync", _raise(errno.EIO))
+    assert _write(store, [1, 2]) == [False, False]
+    assert store.stats()["state"] == "degraded" and store.used_pages() == 0
+    monkeypatch.undo()
+    assert _write(store, [1, 2]) == [True, True]
+    assert store.stats()["state"] == "ok"
+    assert _reads_back(store, [1, 2]) == [True, True]
+    store.check_integrity()
+
+
+def test_degraded_state_is_cleared_by_reopen(tmp_path, monkeypatch):
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE, degraded_retry_s=3600) as store:
+        monkeypatch.setattr(os, "pwritev", _raise(errno.ENOSPC))
+        assert _write(store, [1]) == [False]
+        monkeypatch.undo()
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert store.stats()["state"] == "ok" and _write(store, [1]) == [True]
+
+
+def test_read_error_is_a_miss_but_keeps_the_entry(open_store, monkeypatch):
+    store = open_store()
+    assert all(_write(store, [1]))
+    monkeypatch.setattr(os, "preadv", _raise(errno.EIO))
+    assert _reads_back(store, [1]) == [False]
+    assert store.stats()["read_errors"] == 1
+    monkeypatch.undo()
+    assert _reads_back(store, [1]) == [True]
+
+
+def _flip_byte(store_dir, slot: int, slot_bytes: int, at: int = 100) -> None:
+    with open(os.path.join(store_dir, "slab-000.bin"), "r+b") as f:
+        f.seek(HEADER_BYTES + slot * slot_bytes + at)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_flipped_byte_is_a_counted_miss_and_the_entry_is_dropped(tmp_path, open_store, page_bytes):
+    store = open_store(page_bytes)
+    assert all(_write(store, [1, 2], page_bytes))
+    slot = store._entries[key(1)].slot
+    _flip_byte(tmp_path / "store", slot, store.stats()["slot_bytes"], at=page_bytes - 1)
+    assert _reads_back(store, [1, 2], page_bytes) == [False, True]
+    stats = store.stats()
+    assert stats["checksum_failures"] == 1 and store.contains([key(1)]) == [False]
+    store.close()
+    with L3Store(tmp_path / "store", 16 * 16384, page_bytes, NAMESPACE) as again:
+        assert again.contains([key(1), key(2)]) == [False, True]  # the drop was durable
+
+
+def test_truncated_slab_drops_entries_past_eof_on_open(tmp_path):
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert all(_write(store, range(4)))  # slots 0..3
+    os.truncate(tmp_path / "s" / "slab-000.bin", HEADER_BYTES + 2 * 8192 + 100)
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert store.stats()["dropped_entries"] == 2
+        assert _reads_back(store, range(4)) == [True, True, False, False]
+        assert os.path.getsize(tmp_path / "s" / "slab-000.bin") == HEADER_BYTES + 8 * 8192  # re-extended
+        assert all(_write(store, range(4, 10)))
+        store.check_integrity()
+
+
+def test_slab_truncated_while_open_is_a_short_read(tmp_path, open_store):
+    store = open_store()
+    assert all(_write(store, range(4)))
+    os.truncate(tmp_path / "store" / "slab-000.bin", HEADER_BYTES + 2 * 8192 + 100)
+    assert _reads_back(store, range(4)) == [True, True, False, False]
+    assert store.stats()["short_reads"] == 2 and store.used_pages() == 2
+
+
+def test_garbage_index_is_moved_aside_and_the_store_starts_clean(tmp_path):
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert all(_write(store, range(4)))
+    with open(tmp_path / "s" / "index.lmdb", "wb") as f:
+        f.write(os.urandom(64 * 1024))
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        stats = store.stats()
+        assert stats["index_resets"] == 1 and stats["pages"] == 0
+        assert _reads_back(store, range(4)) == [False] * 4
+        assert all(_write(store, range(8)))
+        assert _reads_back(store, range(8)) == [True] * 8
+    assert len(glob.glob(str(tmp_path / "s" / "index.lmdb.corrupt-*"))) == 1
+
+
+def test_unreadable_slab_header_discards_the_index_and_recreates(tmp_path):
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert all(_write(store, range(4)))
+    with open(tmp_path / "s" / "slab-000.bin", "r+b") as f:
+        f.write(b"NOTMAGIC")
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert store.stats()["index_resets"] == 1 and store.used_pages() == 0
+        assert _reads_back(store, range(4)) == [False] * 4
+
+
+def test_other_format_version_is_refused_untouched(tmp_path):
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert all(_write(store, range(2)))
+    slab = tmp_path / "s" / "slab-000.bin"
+    with open(slab, "r+b") as f:
+        f.seek(8)
+        f.write((99).to_bytes(4, "little"))
+    before = slab.read_bytes()
+    with pytest.raises(L3Error, match="format version 99"):
+        L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE)
+    assert slab.read_bytes() == before
+
+
+def test_wrong_namespace_or_page_bytes_is_an_error(tmp_path):
+    L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE).close()
+    with pytest.raises(L3Error, match="namespace") as err:
+        L3Store(tmp_path / "s", 8 * 8192, 8192, bytes(16))
+    assert str(tmp_path / "s") in str(err.value)
+    with pytest.raises(L3Error, match="page_bytes"):
+        L3Store(tmp_path / "s", 8 * 8192, 4096, NAMESPACE)
+    L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE).close()  # still fine, and not locked by failures
+
+
+def test_second_writer_gets_a_lock_error(tmp_path):
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE):
+        with pytest.raises(L3Error, match="in use by another writer") as err:
+            L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE)
+        assert str(tmp_path / "s") in str(err.value)
+    L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE).close()
+
+
+def test_bad_paths_are_clear_errors(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(L3Error, match="not a directory"):
+        L3Store(tmp_path / "file", 8 * 8192, 8192, NAMESPACE)
+    with pytest.raises(L3Error, match="parent directory .* does not exist"):
+        L3Store(tmp_path / "missing" / "s", 8 * 8192, 8192, NAMESPACE)
+    with pytest.raises(L3Error, match="no L3 store here"):
+        L3Store(tmp_path / "nothing", 8 * 8192, 8192, NAMESPACE, read_only=True)
+    with pytest.raises(L3Error, match="holds no"):
+        L3Store(tmp_path / "tiny", 100, 8192, NAMESPACE)
+    if os.geteuid() != 0:  # root may write anywhere
+        (tmp_path / "ro").mkdir(mode=0o500)
+        with pytest.raises(L3Error, match="not writable"):
+            L3Store(tmp_path / "ro", 8 * 8192, 8192, NAMESPACE)
+
+
+def test_bad_batches_are_rejected(open_store):
+    store = open_store()
+    with pytest.raises(ValueError, match="16 bytes"):
+        store.write_pages([b"short"], empty(8192))
+    with pytest.raises(ValueError, match="8192 bytes"):
+        store.write_pages([key(1)], empty(4096))
+    with pytest.raises(ValueError, match="keys but"):
+        store.read_pages([key(1), key(2)], empty(8192))
+
+
+def _snapshot(directory) -> dict[str, tuple[int, str]]:
+    return {name: (os.stat(os.path.join(directory, name)).st_mtime_ns,
+                   hashlib.sha256(open(os.path.join(directory, name), "rb").read()).hexdigest())
+            for name in sorted(os.listdir(directory))}
+
+
+def test_inspect_reports_and_verifies_without_modifying(tmp_path, page_bytes):
+    with L3Store(tmp_path / "s", 16 * 16384, page_bytes, NAMESPACE) as store:
+        assert all(_write(store, range(6), page_bytes))
+        slot = store._entries[key(2)].slot
+        slot_bytes = store.stats()["slot_bytes"]
+    _flip_byte(tmp_path / "s", slot, slot_bytes)
+    before = _snapshot(tmp_path / "s")
+    report = inspect_store(tmp_path / "s", verify=True)
+    assert _snapshot(tmp_path / "s") == before
+    assert report["pages"] == 6 and report["page_bytes"] == page_bytes and report["format_version"] == 1
+    assert report["namespaces"] == {NAMESPACE.hex(): 6}
+    assert report["capacity_pages"] == 16 * 16384 // slot_bytes
+    assert report["verify"] == {"good": 5, "bad": 1}
+    assert report["io_backend"] in ("posix", "buffered")
+    text = format_report(report)
+    assert "5 good, 1 bad" in text and NAMESPACE.hex() in text
+    with L3Store(tmp_path / "s", 16 * 16384, page_bytes, NAMESPACE) as store:  # inspect dropped nothing
+        assert store.used_pages() == 6
+
+
+def test_inspect_works_from_another_process_while_a_writer_holds_the_store(tmp_path):
+    script = "import sys; from tiers.l3.inspect import inspect_store; print(inspect_store(sys.argv[1], True))"
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert all(_write(store, range(3)))
+        done = subprocess.run([PYTHON, "-c", script, str(tmp_path / "s")], env=subprocess_env(),
+                              capture_output=True, text=True, timeout=60)
+        assert "'verify': {'good': 3, 'bad': 0}" in done.stdout, done.stderr
