@@ -1,0 +1,550 @@
+"""The tier controller: decides when pages move between GPU, host and L3, and moves them.
+
+It owns the eviction loop (LRU leaves first, per tier), the write policies (GPU -> host and
+host -> L3: write_through, write_through_selective, write_back), promotion on prefix hits, the
+L3 probe that finds pages written before a restart, and the load-or-recompute decision.
+
+Threading: every method runs on one thread (the scheduler's). Copies are asynchronous through
+TransferHandles, L3 I/O through an L3Worker; `poll()` applies finished I/O to the tree.
+
+A request's life here: `acquire(tokens)` matches, plans and starts loads and returns a ticket
+holding a lock; `ticket.ready()` says when its cached pages are usable; the caller computes the
+rest into pages from `alloc_device`; `commit(ticket, tokens, pages)` inserts them (write
+policies fire); `release(ticket)` drops the lock; `free_device` returns private pages.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from controller.cost import CostModel
+from controller.l3_io import L3Worker
+from controller.stats import CacheStats
+from radix import DEVICE, DISK, HOST, RadixTree, TreeNode, page_keys
+from tiers.copy import COMPLETED, TransferHandle
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class _Failed:
+    """Marker in TreeNode.pending: the node's data could not be loaded; it will be removed."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+FAILED = _Failed()
+
+
+class _DiskLoad:
+    """Marker in TreeNode.pending while an L3 -> host read for the node is in flight."""
+
+    def __init__(self, host_pages: list[int]):
+        self.host_pages = host_pages
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise RuntimeError("wait on a disk load: call TierController.wait_ticket instead")
+
+
+@dataclass(frozen=True)
+class WritePolicy:
+    """When pages are copied down a tier (GPU -> host, host -> L3)."""
+
+    device_to_host: str = "write_through"
+    host_to_disk: str = "write_through"
+    selective_hits: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("device_to_host", "host_to_disk"):
+            if getattr(self, name) not in WRITE_POLICIES:
+                raise ValueError(f"write policy {name}={getattr(self, name)!r}; choices: {list(WRITE_POLICIES)}")
+        if self.selective_hits < 1:
+            raise ValueError(f"selective_hits must be >= 1, got {self.selective_hits}")
+
+
+@dataclass
+class LoadTicket:
+    """A request's claim on a cached prefix: the locked path and the loads it waits for."""
+
+    nodes: list[TreeNode]  # the used prefix, root excluded
+    node: TreeNode  # deepest locked node (the root when nothing is cached)
+    matched_pages: int  # pages the tree (and L3) had
+    hit_pages: dict[str, int] = field(default_factory=dict)  # pages used per fastest tier at match time
+    released: bool = False
+
+    @property
+    def num_pages(self) -> int:
+        return sum(n.num_pages for n in self.nodes)
+
+    def device_pages(self) -> list[int]:
+        """GPU page ids of the used prefix, in order."""
+        return [p for n in self.nodes for p in n.loc[0]]
+
+    @property
+    def failed(self) -> bool:
+        return any(n.pending is FAILED for n in self.nodes)
+
+    def ready(self) -> bool:
+        """True once every page of the prefix is on the GPU (or a load failed: see `failed`)."""
+        return all(n.pending is None or n.pending.done() for n in self.nodes)
+
+
+class TierController:
+    """Moves pages between a GPU pool, an optional host pool and an optional L3 store; see module doc."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        device: Any,
+        host: Any | None = None,
+        l3: Any | None = None,
+        copier: Any | None = None,
+        write_policy: WritePolicy | None = None,
+        cost: CostModel | None = None,
+        l3_worker: L3Worker | None = None,
+        disk_capacity_pages: int | None = None,
+    ):
+        if l3 is not None and host is None:
+            raise ValueError("the disk tier needs a host tier: pages reach L3 through host memory")
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.l3 = l3
+        self.copier = copier
+        self.policy = write_policy or WritePolicy()
+        self.page_size = tree.page_size
+        self.page_bytes = device.page_bytes
+        self.cost = cost or CostModel(tree.page_size, device.page_bytes)
+        self.worker = l3_worker if l3_worker is not None or l3 is None else L3Worker(l3)
+        self.disk_capacity = disk_capacity_pages if disk_capacity_pages is not None else (
+            l3.capacity_pages if l3 is not None else 0
+        )
+        self.stats = CacheStats()
+        self._private: set[int] = set()  # device pages handed to callers, not yet in the tree
+        self._loading: dict[int, TreeNode] = {}  # node id -> node with an L3 read in flight
+        self._writing: dict[int, TreeNode] = {}  # node id -> node locked for an L3 write in flight
+        self._disk_inflight = 0  # pages queued for L3 writes (counted against disk capacity)
+        self._invalid: dict[int, TreeNode] = {}  # nodes whose load failed, removed once unlocked
+        self._bounced: set[int] = set()  # node ids whose L3 write carries its own copy of the bytes
+
+    # ------------------------------------------------------------------ matching and loading
+
+    def match(self, tokens: Sequence[int]) -> Any:
+        """Longest cached prefix of tokens, extended by an L3 index probe past the in-memory tree."""
+        m = self.tree.match_prefix(tokens)
+        if self.l3 is not None:
+            full = len(tokens) // self.page_size
+            if m.num_pages < full and self._probe(tokens, m.last_node, m.num_pages, full):
+                m = self.tree.match_prefix(tokens, touch=False)
+        return m
+
+    def _probe(self, tokens: Sequence[int], node: TreeNode, start: int, end: int) -> int:
+        """Probe L3 for pages [start, end) of tokens (chained from node); attach the leading hits."""
+        ps = self.page_size
+        keys = page_keys(self.tree.last_key(node), tokens[start * ps : end * ps], ps)
+        found, batch = 0, 1
+        while found < len(keys):  # a miss ends the chain, so probe in growing batches
+            chunk = keys[found : found + batch]
+            hits = self.l3.contains(chunk)
+            run = next((i for i, h in enumerate(hits) if not h), len(hits))
+            found += run
+            if run < len(chunk):
+                break
+            batch *= 4
+        if found:
+            suffix = tokens[start * ps : (start + found) * ps]
+            self.tree.insert(suffix, keys[:found], tier=DISK, keys=keys[:found], start=node)
+        return found
+
+    def acquire(self, tokens: Sequence[int], max_pages: int | None = None) -> LoadTicket:
+        """Match tokens, decide how much of the cached prefix to use, lock it and start its loads.
+
+        At most max_pages pages are used (callers keep at least one token to compute). Pages worth
+        loading that are not on the GPU get GPU pages and copies; pages dearer to load than to
+        recompute are left for the caller to compute.
+        """
+        ps = self.page_size
+        self.poll()
+        m = self.match(tokens)
+        self.stats.prompt_tokens += len(tokens)
+        runs: list[tuple[str, int]] = []
+        usable: list[TreeNode] = []
+        for node, tier in m.segments:
+            if node.pending is FAILED or node.id in self._invalid:
+                break
+            usable.append(node)
+            runs.append((tier, node.num_pages))
+        want = self.cost.pages_to_load(runs)
+        self.stats.recomputed_tokens += (sum(n for _, n in runs) - want) * ps
+        if max_pages is not None:
+            want = min(want, max_pages)
+        nodes = self._cut(usable, want)
+        tiers = [DEVICE if n.loc[0] is not None else HOST if n.loc[1] is not None else DISK for n in nodes]
+        ticket = LoadTicket(nodes, nodes[-1] if nodes else self.tree.root, m.num_pages)
+        self.tree.lock(ticket.node)
+        for i, node in enumerate(nodes):
+            if node.loc[0] is None and not self._load_node(node):
+                self._truncate(ticket, i)
+                break
+        for node, tier in zip(ticket.nodes, tiers):
+            ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
+        for tier, pages in ticket.hit_pages.items():
+            self.stats.hit_tokens[tier] += pages * ps
+        self._selective_backups(ticket.nodes)
+        return ticket
+
+    def _cut(self, nodes: list[TreeNode], pages: int) -> list[TreeNode]:
+        """The leading nodes covering exactly `pages` pages (splitting the last one if needed)."""
+        out: list[TreeNode] = []
+        used = 0
+        for node in nodes:
+            if used >= pages:
+                break
+            if used + node.num_pages > pages:
+                node = self.tree.split(node, pages - used)
+            out.append(node)
+            used += node.num_pages
+        return out
+
+    def _truncate(self, ticket: LoadTicket, keep: int) -> None:
+        """Shorten the ticket to its first `keep` nodes, moving its lock."""
+        old = ticket.node
+        ticket.nodes = ticket.nodes[:keep]
+        ticket.node = ticket.nodes[-1] if ticket.nodes else self.tree.root
+        self.tree.lock(ticket.node)
+        self.tree.unlock(old)
+
+    def _load_node(self, node: TreeNode) -> bool:
+        """Give a locked node GPU pages and start copying its data there; False if no room."""
+        n = node.num_pages
+        if node.loc[1] is None and (node.pending is not None or self.host is None or node.id in self._writing):
+            return False
+        dev = self._allocate(DEVICE, n)
+        if dev is None:
+            self.stats.drops["device_full_on_load"] += n
+            return False
+        if node.loc[1] is not None:
+            node.pending = self.copier.to_device(node.loc[1], dev) if self.copier else COMPLETED
+            self.stats.moved(HOST, DEVICE, n, self.page_bytes)
+        else:
+            host_pages = self._allocate(HOST, n)
+            if host_pages is None:
+                self.device.free(dev)
+                self.stats.drops["host_full_on_load"] += n
+                return False
+            node.pending = _DiskLoad(host_pages)
+            self._loading[node.id] = node
+            self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
+        self._private.difference_update(dev)
+        self.tree.set_location(node, DEVICE, dev)
+        return True
+
+    def _host_page(self, page: int) -> Any:
+        view = getattr(self.host, "page_view", None)
+        return view(page) if view is not None else page
+
+    def wait_ticket(self, ticket: LoadTicket, timeout: float | None = None) -> bool:
+        """Block until the ticket is ready (for callers with nothing else to do); False on timeout."""
+        while not ticket.ready():
+            if any(isinstance(n.pending, _DiskLoad) for n in ticket.nodes):
+                if not self.worker.wait_idle(timeout):
+                    return False
+            self.poll()
+        for node in ticket.nodes:
+            if node.pending is not None and node.pending is not FAILED:
+                node.pending.wait()
+        return True
+
+    def stream_wait(self, ticket: LoadTicket) -> None:
+        """Make the current CUDA stream wait for the ticket's copies (no host blocking); no-op on CPU."""
+        for node in ticket.nodes:
+            wait = getattr(node.pending, "stream_wait", None)
+            if wait is not None:
+                wait()
+
+    # ------------------------------------------------------------------ committing computed pages
+
+    def alloc_device(self, n: int) -> list[int] | None:
+        """n private GPU pages for new KV, evicting cached pages as needed; None if impossible."""
+        pages = self._allocate(DEVICE, n)
+        if pages is not None:
+            self._private.update(pages)
+        return pages
+
+    def free_device(self, pages: Sequence[int]) -> None:
+        """Return private GPU pages (not committed to the tree)."""
+        self._private.difference_update(pages)
+        self.device.free(pages)
+
+    def commit(self, ticket: LoadTicket, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
+        """Insert the full pages of tokens (the ticket's prefix plus new ones) into the tree.
+
+        device_pages covers every full page of tokens; its first ticket.num_pages entries must be the
+        ticket's own pages. Returns the canonical GPU pages for all full pages: where another request
+        committed the same pages first, the tree's copies win and the caller's duplicates are freed.
+        The ticket's lock moves to the new deepest node. Write policies fire for the new pages.
+        """
+        ps = self.page_size
+        have = ticket.num_pages
+        full = len(tokens) // ps
+        if len(device_pages) < full:
+            raise ValueError(f"commit: {full} full pages of tokens but {len(device_pages)} GPU pages")
+        if full <= have:
+            return ticket.device_pages()[:full]
+        new_pages = list(device_pages[have:full])
+        node, dups = self.tree.insert(tokens[have * ps : full * ps], new_pages, DEVICE, start=ticket.node)
+        self._private.difference_update(new_pages)
+        if dups:
+            dup_set = set(dups)
+            self._private.update(dup_set)
+            self.free_device([p for p in new_pages if p in dup_set])
+        path = []
+        walk = node
+        while walk is not ticket.node:
+            path.append(walk)
+            walk = walk.parent
+        path.reverse()
+        self.tree.lock(node)
+        self.tree.unlock(ticket.node)
+        ticket.nodes = ticket.nodes + path
+        ticket.node = node
+        if self.host is not None:
+            for n in path:
+                if self.policy.device_to_host == "write_through":
+                    self._backup_to_host(n)
+        return ticket.device_pages()
+
+    def release(self, ticket: LoadTicket) -> None:
+        """Drop the ticket's lock; failed loads are cleaned up once nobody holds them."""
+        if ticket.released:
+            raise ValueError("ticket released twice")
+        ticket.released = True
+        self.tree.unlock(ticket.node)
+        ticket.nodes = []
+        self._remove_invalid()
+
+    # ------------------------------------------------------------------ write policies
+
+    def _selective_backups(self, nodes: list[TreeNode]) -> None:
+        hits = self.policy.selective_hits
+        for node in nodes:
+            if node.hit_count < hits:
+                continue
+            if self.host is not None and node.loc[1] is None and node.loc[0] is not None and (
+                self.policy.device_to_host == "write_through_selective"
+            ):
+                self._backup_to_host(node)
+            if node.loc[1] is not None and self.policy.host_to_disk == "write_through_selective":
+                self._write_to_disk(node)
+
+    def _backup_to_host(self, node: TreeNode) -> bool:
+        """Copy a node's GPU pages to new host pages; False (counted) if the host is full."""
+        if node.loc[1] is not None or node.loc[0] is None:
+            return node.loc[1] is not None
+        if node.pending is FAILED or (node.pending is not None and not node.pending.done()):
+            return False
+        n = node.num_pages
+        host_pages = self._allocate(HOST, n, protect=node)
+        if host_pages is None:
+            self.stats.drops["host_full"] += n
+            return False
+        handle = self.copier.to_host(node.loc[0], host_pages) if self.copier else COMPLETED
+        self.tree.set_location(node, HOST, host_pages)
+        self.stats.moved(DEVICE, HOST, n, self.page_bytes)
+        if self.l3 is not None and self.policy.host_to_disk == "write_through":
+            self._write_to_disk(node, handle)
+        return True
+
+    def _write_to_disk(self, node: TreeNode, handle: TransferHandle | None = None, bounce: bool = False) -> bool:
+        """Queue an L3 write of a node's host pages. Without `bounce` the node stays locked until the
+        write completes; with it the bytes are copied first so the host pages can be freed now."""
+        if self.l3 is None or node.loc[2] is not None or node.id in self._writing or node.loc[1] is None:
+            return node.loc[2] is not None
+        n = node.num_pages
+        if not self._make_disk_room(n):
+            self.stats.drops["disk_full"] += n
+            return False
+        if handle is not None and bounce:
+            handle.wait()
+        pages = [self._host_page(p) for p in node.loc[1]]
+        if bounce and pages and isinstance(pages[0], torch.Tensor):
+            pages = [p.clone() for p in pages]
+        before = handle.wait if handle is not None and not bounce else None
+        if not self.worker.submit_write(node, node.keys, pages, before):
+            self.stats.drops["l3_queue_full"] += n
+            return False
+        self._writing[node.id] = node
+        if bounce:  # the write owns its bytes: record the page as on disk now so the node may leave host
+            self._bounced.add(node.id)
+            self.tree.set_location(node, DISK, list(node.keys))
+        else:  # the host pages must outlive the write: lock until it completes
+            self._disk_inflight += n
+            self.tree.lock(node)
+        self.stats.moved(HOST, DISK, n, self.page_bytes)
+        return True
+
+    # ------------------------------------------------------------------ completions
+
+    def poll(self) -> None:
+        """Apply finished L3 I/O to the tree (call once per scheduler step)."""
+        if self.worker is None:
+            return
+        for c in self.worker.completions():
+            node: TreeNode = c.token
+            n = len(c.results)
+            if c.kind == "write":
+                self._writing.pop(node.id, None)
+                if node.id in self._bounced:
+                    self._bounced.discard(node.id)
+                    if not all(c.results):  # recorded on disk at submit; undo, with what hangs below
+                        self.stats.drops["l3_write_failed"] += c.results.count(False)
+                        if node.parent is not None:
+                            self._invalid[node.id] = node
+                    continue
+                self._disk_inflight -= n
+                self.tree.unlock(node)
+                if all(c.results):
+                    if node.loc[2] is None:
+                        self.tree.set_location(node, DISK, list(node.keys))
+                else:
+                    self.stats.drops["l3_write_failed"] += c.results.count(False)
+            else:
+                self._loading.pop(node.id, None)
+                load: _DiskLoad = node.pending
+                if all(c.results):
+                    self.tree.set_location(node, HOST, load.host_pages)
+                    node.pending = self.copier.to_device(load.host_pages, node.loc[0]) if self.copier else COMPLETED
+                    self.stats.moved(DISK, HOST, n, self.page_bytes)
+                    self.stats.moved(HOST, DEVICE, n, self.page_bytes)
+                else:
+                    self.host.free(load.host_pages)
+                    node.pending = FAILED
+                    self.stats.load_failures += 1
+                    self._invalid[node.id] = node
+        self._remove_invalid()
+
+    def _remove_invalid(self) -> None:
+        for key, node in list(self._invalid.items()):
+            if node.lock_ref > 0:
+                continue
+            del self._invalid[key]
+            if node.parent is None:
+                continue
+            node.pending = None
+            if node.loc[2] is not None and self.l3 is not None:
+                self.l3.delete(node.loc[2])
+            self._free_nodes(self.tree.remove_subtree(node))
+
+    # ------------------------------------------------------------------ allocation and eviction
+
+    def _pool(self, tier: str) -> Any:
+        return self.device if tier == DEVICE else self.host
+
+    def _allocate(self, tier: str, n: int, protect: TreeNode | None = None) -> list[int] | None:
+        pool = self._pool(tier)
+        if n > pool.capacity_pages:
+            return None
+        if pool.allocator.free_pages < n:
+            self._evict(tier, n - pool.allocator.free_pages, protect)
+        return pool.allocate(n)
+
+    def _evict(self, tier: str, need: int, protect: TreeNode | None = None) -> int:
+        """Evict least recently used unlocked leaves of a tier until `need` pages are free there."""
+        freed = 0
+        skip = (lambda node: node is protect) if protect is not None else None
+        if tier == DEVICE and self.copier is not None:
+            self.copier.fence()  # pending GPU->host copies read pages we are about to reuse
+        while freed < need:
+            node = self.tree.pop_evictable(tier, skip)
+            if node is None:
+                break
+            freed += self._evict_node(tier, node)
+        return freed
+
+    def _evict_node(self, tier: str, node: TreeNode) -> int:
+        n = node.num_pages
+        if tier == DEVICE:
+            if self.host is not None and node.loc[1] is None and self.policy.device_to_host == "write_back":
+                self._backup_to_host(node)
+                if self.copier is not None:
+                    self.copier.fence()
+        elif tier == HOST:
+            if self.l3 is not None and node.loc[2] is None and node.id not in self._writing and (
+                self.policy.host_to_disk == "write_back"
+            ):
+                self._write_to_disk(node, bounce=True)
+        self.stats.evictions[tier] += n
+        pages, orphans = self.tree.clear_location(node, tier)
+        if tier == DISK:
+            self.l3.delete(pages)
+        else:
+            self._pool(tier).free(pages)
+        self._free_nodes(orphans)
+        return n
+
+    def _make_disk_room(self, n: int) -> bool:
+        """Evict L3 leaves until n more pages fit under the disk capacity."""
+        if n > self.disk_capacity:
+            return False
+        while self.tree.pages_in[2] + self._disk_inflight + n > self.disk_capacity:
+            node = self.tree.pop_evictable(DISK)
+            if node is None:
+                return False
+            self._evict_node(DISK, node)
+        return True
+
+    def _free_nodes(self, nodes: list[TreeNode]) -> None:
+        """Free every page of removed nodes in every tier."""
+        for node in nodes:
+            if node.loc[0] is not None:
+                self.device.free(node.loc[0])
+                self.stats.evictions[DEVICE] += node.num_pages
+            if node.loc[1] is not None:
+                self.host.free(node.loc[1])
+                self.stats.evictions[HOST] += node.num_pages
+            if node.loc[2] is not None:
+                self.l3.delete(node.loc[2])
+                self.stats.evictions[DISK] += node.num_pages
+            node.loc = [None, None, None]
+
+    # ------------------------------------------------------------------ inspection
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Used and capacity pages per tier."""
+        out = {DEVICE: {"used": self.device.used_pages(), "capacity": self.device.capacity_pages}}
+        if self.host is not None:
+            out[HOST] = {"used": self.host.used_pages(), "capacity": self.host.capacity_pages}
+        if self.l3 is not None:
+            out[DISK] = {"used": self.tree.pages_in[2], "capacity": self.disk_capacity}
+        return out
+
+    def check_integrity(self) -> None:
+        """Tree integrity plus, per pool, free + owned == capacity with no page owned twice."""
+        self.tree.check_integrity()
+        self.device.allocator.check_integrity(self.tree.owned_pages(DEVICE) + sorted(self._private))
+        if self.host is not None:
+            loading = [p for node in self._loading.values() for p in node.pending.host_pages]
+            self.host.allocator.check_integrity(self.tree.owned_pages(HOST) + loading)
+        if self.tree.pages_in[2] + self._disk_inflight > self.disk_capacity and self.l3 is not None:
+            raise AssertionError(f"disk tier holds {self.tree.pages_in[2]} + {self._disk_inflight} pages "
+                                 f"> capacity {self.disk_capacity}")
+
+    def close(self) -> None:
+        """Finish queued L3 writes and apply them."""
+        if self.worker is not None:
+            self.worker.wait_idle()
+            self.poll()
+            self.worker.close()

@@ -1,0 +1,164 @@
+"""Asynchronous L3 I/O for the controller: a writer thread with a bounded queue and reader threads.
+
+The controller never blocks on the disk. It submits writes (host pages -> L3) and reads
+(L3 -> host pages); results come back as completions that the controller applies on its own
+thread in `poll()`. When the write queue holds `queue_pages` pages, further writes are refused
+and the controller counts them as dropped instead of stalling compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    kind: str  # "write" or "read"
+    token: Any  # the caller's tag
+    results: list[bool]  # per page: written / read and verified
+
+
+@dataclass
+class _WriteJob:
+    token: Any
+    keys: list[bytes]
+    pages: list[Any]  # page buffers (1-D uint8 tensors)
+    before: Callable[[], None] | None  # e.g. wait for the GPU->host copy that fills the pages
+
+
+class L3Worker:
+    """Runs L3 store calls off the controller's thread; `synchronous=True` runs them inline (tests, replay)."""
+
+    def __init__(self, store: Any, threads: int = 2, queue_pages: int = 4096, batch_pages: int = 32,
+                 synchronous: bool = False):
+        self.store = store
+        self.queue_pages = queue_pages
+        self.batch_pages = batch_pages
+        self.synchronous = synchronous
+        self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._queued_pages = 0
+        self._outstanding = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._writes: queue.Queue[_WriteJob | None] = queue.Queue()
+        self._closed = False
+        if not synchronous:
+            self._reader = ThreadPoolExecutor(max(1, threads), thread_name_prefix="hicache-l3-read")
+            self._writer = threading.Thread(target=self._write_loop, name="hicache-l3-write", daemon=True)
+            self._writer.start()
+
+    @property
+    def queued_write_pages(self) -> int:
+        return self._queued_pages
+
+    def submit_write(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any],
+                     before: Callable[[], None] | None = None) -> bool:
+        """Queue a write of pages under keys; False (nothing queued) when the queue is full."""
+        job = _WriteJob(token, list(keys), list(pages), before)
+        with self._lock:
+            if self._closed:
+                return False
+            if self._queued_pages + len(keys) > self.queue_pages:
+                return False
+            self._queued_pages += len(keys)
+            self._outstanding += 1
+        if self.synchronous:
+            self._run_writes([job])
+        else:
+            self._writes.put(job)
+        return True
+
+    def submit_read(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any]) -> None:
+        """Read keys into page buffers; the completion says which pages were read and verified."""
+        with self._lock:
+            self._outstanding += 1
+        if self.synchronous:
+            self._run_read(token, list(keys), list(pages))
+        else:
+            self._reader.submit(self._run_read, token, list(keys), list(pages))
+
+    def completions(self) -> list[Completion]:
+        """Completions that arrived since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every submitted job has completed; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
+
+    def close(self) -> None:
+        """Finish queued work, then stop the threads."""
+        with self._lock:
+            self._closed = True
+        if not self.synchronous:
+            self._writes.put(None)
+            self._writer.join()
+            self._reader.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ worker side
+
+    def _finish(self, completion: Completion, pages: int = 0) -> None:
+        self._done.put(completion)
+        with self._idle:
+            self._queued_pages -= pages
+            self._outstanding -= 1
+            self._idle.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._writes.get()
+            if job is None:
+                return
+            batch = [job]
+            pages = len(job.keys)
+            while pages < self.batch_pages:  # group queued jobs into one synced batch
+                try:
+                    nxt = self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._writes.put(None)
+                    break
+                batch.append(nxt)
+                pages += len(nxt.keys)
+            self._run_writes(batch)
+
+    def _run_writes(self, batch: list[_WriteJob]) -> None:
+        keys: list[bytes] = []
+        pages: list[Any] = []
+        for job in batch:
+            if job.before is not None:
+                job.before()
+            keys.extend(job.keys)
+            pages.extend(job.pages)
+        try:
+            results = list(self.store.write_pages(keys, pages))
+        except Exception:  # the store reports I/O faults as False; anything else is a bug, keep serving
+            logger.exception("L3 write of %d pages failed", len(keys))
+            results = [False] * len(keys)
+        i = 0
+        for job in batch:
+            n = len(job.keys)
+            self._finish(Completion("write", job.token, results[i : i + n]), n)
+            i += n
+
+    def _run_read(self, token: Any, keys: list[bytes], pages: list[Any]) -> None:
+        try:
+            results = list(self.store.read_pages(keys, pages))
+        except Exception:
+            logger.exception("L3 read of %d pages failed", len(keys))
+            results = [False] * len(keys)
+        self._finish(Completion("read", token, results))

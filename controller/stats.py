@@ -1,0 +1,42 @@
+"""Counters of the tier controller: hits, page movement, evictions and drops, per tier."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from radix import TIERS
+
+
+@dataclass
+class CacheStats:
+    """Monotonic counters; `snapshot()` gives a plain dict for metrics and tests."""
+
+    prompt_tokens: int = 0
+    hit_tokens: Counter = field(default_factory=Counter)  # tier -> prompt tokens served from it
+    recomputed_tokens: int = 0  # cached tokens recomputed because loading them was dearer
+    pages_promoted: Counter = field(default_factory=Counter)  # (src, dst) -> pages
+    pages_demoted: Counter = field(default_factory=Counter)  # (src, dst) -> pages
+    bytes_moved: Counter = field(default_factory=Counter)  # (src, dst) -> bytes
+    evictions: Counter = field(default_factory=Counter)  # tier -> pages dropped from that tier
+    drops: Counter = field(default_factory=Counter)  # reason -> pages not backed up / not loaded
+    load_failures: int = 0  # L3 reads that missed or failed verification
+
+    def moved(self, src: str, dst: str, pages: int, page_bytes: int) -> None:
+        promote = TIERS.index(dst) < TIERS.index(src)
+        (self.pages_promoted if promote else self.pages_demoted)[(src, dst)] += pages
+        self.bytes_moved[(src, dst)] += pages * page_bytes
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": {t: self.hit_tokens[t] for t in TIERS},
+            "recomputed_tokens": self.recomputed_tokens,
+            "pages_promoted": {f"{s}->{d}": n for (s, d), n in self.pages_promoted.items()},
+            "pages_demoted": {f"{s}->{d}": n for (s, d), n in self.pages_demoted.items()},
+            "bytes_moved": {f"{s}->{d}": n for (s, d), n in self.bytes_moved.items()},
+            "evictions": {t: self.evictions[t] for t in TIERS},
+            "drops": dict(self.drops),
+            "load_failures": self.load_failures,
+        }

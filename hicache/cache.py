@@ -1,0 +1,122 @@
+"""Assemble the cache stack (tree, pools, copier, L3 store, controller) from a Config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from controller import CostModel, L3Worker, TierController, WritePolicy
+from hicache.config import Config, ConfigError, ResolvedSizes, resolve_sizes
+from radix import RadixTree, namespace_fingerprint
+from tiers import DevicePool, HostPool, KVLayout, MetadataPool, make_copier
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CacheStack:
+    """Everything the engine (or the replay tool) needs from the cache, and how it was sized."""
+
+    controller: TierController
+    sizes: ResolvedSizes
+    layout: KVLayout
+    namespace: bytes
+    l3: Any | None
+
+    def close(self) -> None:
+        self.controller.close()
+        if self.l3 is not None:
+            self.l3.close()
+
+
+def namespace_fields(model_id: str, revision: str, dtype: str, layout: KVLayout, tp_rank: int) -> dict:
+    """Everything that changes the bytes of a page: the cache namespace."""
+    return {
+        "model": model_id,
+        "revision": revision,
+        "dtype": dtype,
+        "kv_layout": "page-first[layers][k|v][page_size][kv_heads][head_dim]",
+        "page_size": layout.page_size,
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "tp_rank": tp_rank,
+    }
+
+
+def write_policy(cfg: Config) -> WritePolicy:
+    wp = cfg.cache.write_policy
+    return WritePolicy(wp.device_to_host, wp.host_to_disk, wp.selective_hits)
+
+
+def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None = None) -> CostModel:
+    lp = cfg.cache.load_policy
+    gbps = lambda v: None if v is None else v * 1e9  # noqa: E731
+    return CostModel(
+        layout.page_size,
+        layout.page_bytes,
+        lp.mode,
+        lp.prefill_tokens_per_s or prefill_tokens_per_s,
+        gbps(lp.host_to_device_gbps),
+        gbps(lp.disk_to_device_gbps),
+    )
+
+
+def build_cache(
+    cfg: Config,
+    layout: KVLayout,
+    dtype: str,
+    device: torch.device | str,
+    namespace: dict | None = None,
+    metadata_only: bool = False,
+    prefill_tokens_per_s: float | None = None,
+) -> CacheStack:
+    """Create the pools, the L3 store (when configured) and the controller for one model rank.
+
+    metadata_only builds page-id pools with no bytes and an in-memory L3 index (the replay tool).
+    """
+    sizes = resolve_sizes(cfg, layout.bytes_per_token)
+    ns = namespace_fingerprint(namespace or {})
+    tree = RadixTree(cfg.cache.page_size, ns, cfg.cache.eviction_policy)
+    if sizes.disk_pages and not sizes.host_pages:
+        raise ConfigError("cache.l3: the disk tier needs a host tier (cache.host size > 0): "
+                          "pages reach L3 through host memory")
+    l3 = None
+    if metadata_only:
+        device_pool: Any = MetadataPool(sizes.device_pages, layout.page_bytes, "device")
+        host_pool: Any = MetadataPool(sizes.host_pages, layout.page_bytes, "host") if sizes.host_pages else None
+        copier = None
+        if sizes.disk_pages:
+            from tiers.metadata_pool import MetadataL3
+
+            l3 = MetadataL3(sizes.disk_pages)
+        worker = L3Worker(l3, synchronous=True) if l3 is not None else None
+    else:
+        device_pool = DevicePool(layout, sizes.device_pages, TORCH_DTYPES[dtype], device)
+        host_pool = HostPool(layout, sizes.host_pages, TORCH_DTYPES[dtype]) if sizes.host_pages else None
+        copier = make_copier(device_pool, host_pool) if host_pool is not None else None
+        worker = None
+        if sizes.disk_pages:
+            from tiers.l3 import L3Store
+
+            c = cfg.cache.l3
+            l3 = L3Store(
+                c.path, sizes.disk_pages * layout.page_bytes, layout.page_bytes, ns,
+                io_backend=c.io_backend, io_threads=c.io_threads, sync_batch_pages=c.sync_batch_pages,
+                admission_hits=c.admission_hits,
+            )
+            worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=c.sync_batch_pages)
+    controller = TierController(
+        tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost_model(cfg, layout, prefill_tokens_per_s),
+        worker, sizes.disk_pages if l3 is not None else None,
+    )
+    logger.info(
+        "cache: page %d tokens x %d bytes; device %d pages, host %d pages, disk %d pages",
+        layout.page_size, layout.page_bytes, sizes.device_pages, sizes.host_pages, sizes.disk_pages,
+    )
+    return CacheStack(controller, sizes, layout, ns, l3)

@@ -1,0 +1,320 @@
+"""Typed configuration: frozen nested dataclasses loaded from YAML (safe_load) and validated.
+
+Every key is checked against the dataclass fields: an unknown key, a wrong type or an impossible
+value raises ConfigError naming the dotted key and the file. `resolve_sizes` turns the tier sizes
+(GiB or tokens) into pages once the model's KV bytes per token is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+LOAD_POLICIES = ("auto", "always", "never")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and the file."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"  # built-in name, random:<preset>, or a Hugging Face directory
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    revision: str = ""  # recorded in the cache namespace; empty = derived from the weights file
+    tp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class TierSize:
+    """A tier's size: exactly one of size_gib / size_tokens (0 disables host and disk tiers)."""
+
+    size_gib: float | None = None
+    size_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class L3Config:
+    path: str | None = None  # directory of the NVMe store; None disables the disk tier
+    size_gib: float | None = 1.0
+    size_tokens: int | None = None
+    io_backend: Literal["auto", "kvikio", "posix", "buffered"] = "auto"
+    io_threads: int = 4
+    queue_pages: int = 4096  # bounded queue of pending L3 writes; beyond it demotions are dropped
+    sync_batch_pages: int = 32
+    admission_hits: int = 0  # write a page to L3 only after it was hit this many times (0 = always)
+
+
+@dataclass(frozen=True)
+class WritePolicyConfig:
+    device_to_host: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    host_to_disk: Literal["write_through", "write_through_selective", "write_back"] = "write_back"
+    selective_hits: int = 2  # hits before write_through_selective backs a page up
+
+
+@dataclass(frozen=True)
+class LoadPolicyConfig:
+    """Whether to load cached pages or recompute them, from costs measured at startup or given here."""
+
+    mode: Literal["auto", "always", "never"] = "auto"
+    prefill_tokens_per_s: float | None = None  # None: calibrate at startup
+    host_to_device_gbps: float | None = None
+    disk_to_device_gbps: float | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    eviction_policy: Literal["lru", "lfu"] = "lru"
+    device: TierSize = field(default_factory=lambda: TierSize(size_tokens=4096))
+    host: TierSize = field(default_factory=lambda: TierSize(size_gib=1.0))
+    l3: L3Config = field(default_factory=L3Config)
+    write_policy: WritePolicyConfig = field(default_factory=WritePolicyConfig)
+    load_policy: LoadPolicyConfig = field(default_factory=LoadPolicyConfig)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    chunk_tokens: int = 2048  # prefill token budget per step (chunked prefill)
+    max_context_tokens: int | None = None  # None: the model's maximum
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    trace_log: str | None = None
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check `value` against annotation `tp` and convert; raises ConfigError naming key and source."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, key, source)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{source}: {key}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{source}: {key}: must not be null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key, source)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{source}: {key}: {value!r} has the wrong type")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: {key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{source}: {key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{source}: {key}: unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise ConfigError(f"{source}: unknown key {key!r} (allowed: {', '.join(sorted(names))})")
+        kwargs[k] = _convert(v, hints[k], key, source)
+    return cls(**kwargs)
+
+
+def _positive(value: float | int | None, key: str, source: str, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{source}: {key}: must be finite, got {value}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{source}: {key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _check_size(size: Any, key: str, source: str, allow_zero: bool) -> None:
+    given = [name for name in ("size_gib", "size_tokens") if getattr(size, name) is not None]
+    if len(given) != 1:
+        raise ConfigError(f"{source}: {key}: give exactly one of size_gib, size_tokens (got {given or 'none'})")
+    _positive(getattr(size, given[0]), f"{key}.{given[0]}", source, allow_zero)
+
+
+def validate(cfg: Config, source: str = "<config>") -> Config:
+    """Check values no type can express; returns cfg unchanged or raises ConfigError."""
+    c = cfg.cache
+    if c.page_size <= 0 or c.page_size & (c.page_size - 1):
+        raise ConfigError(f"{source}: cache.page_size: must be a positive power of two, got {c.page_size}")
+    _check_size(c.device, "cache.device", source, allow_zero=False)
+    _check_size(c.host, "cache.host", source, allow_zero=True)
+    if c.l3.path is not None:
+        if not c.l3.path.strip():
+            raise ConfigError(f"{source}: cache.l3.path: must not be empty (use null to disable the disk tier)")
+        _check_size(c.l3, "cache.l3", source, allow_zero=True)
+    _positive(c.l3.io_threads, "cache.l3.io_threads", source)
+    _positive(c.l3.queue_pages, "cache.l3.queue_pages", source)
+    _positive(c.l3.sync_batch_pages, "cache.l3.sync_batch_pages", source)
+    _positive(c.l3.admission_hits, "cache.l3.admission_hits", source, allow_zero=True)
+    _positive(c.write_policy.selective_hits, "cache.write_policy.selective_hits", source)
+    for name in ("prefill_tokens_per_s", "host_to_device_gbps", "disk_to_device_gbps"):
+        _positive(getattr(c.load_policy, name), f"cache.load_policy.{name}", source)
+    s = cfg.scheduler
+    _positive(s.max_running_requests, "scheduler.max_running_requests", source)
+    _positive(s.chunk_tokens, "scheduler.chunk_tokens", source)
+    _positive(s.max_context_tokens, "scheduler.max_context_tokens", source)
+    _positive(s.default_max_tokens, "scheduler.default_max_tokens", source)
+    if not 0 < cfg.server.port < 65536:
+        raise ConfigError(f"{source}: server.port: must be in 1..65535, got {cfg.server.port}")
+    _positive(cfg.server.max_body_bytes, "server.max_body_bytes", source)
+    _positive(cfg.model.tp_rank, "model.tp_rank", source, allow_zero=True)
+    return cfg
+
+
+def from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> Config:
+    """Build and validate a Config from plain data (as read from YAML)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+    return validate(_build(Config, data, "", source), source)
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Read a YAML config file (None: the defaults)."""
+    if path is None:
+        return validate(Config(), "<defaults>")
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return from_dict(data, str(path))
+
+
+def override(cfg: Config, dotted: dict[str, Any], source: str = "command line") -> Config:
+    """A copy of cfg with dotted keys (e.g. "cache.l3.path") replaced, validated again."""
+    for key, value in dotted.items():
+        parts = key.split(".")
+        cfg = _replace_path(cfg, parts, value, key, source)
+    return validate(cfg, source)
+
+
+def _replace_path(obj: Any, parts: list[str], value: Any, key: str, source: str) -> Any:
+    names = {f.name for f in dataclasses.fields(obj)}
+    if parts[0] not in names:
+        raise ConfigError(f"{source}: unknown key {key!r}")
+    if len(parts) == 1:
+        tp = typing.get_type_hints(type(obj))[parts[0]]
+        return dataclasses.replace(obj, **{parts[0]: _convert(value, tp, key, source)})
+    child = getattr(obj, parts[0])
+    return dataclasses.replace(obj, **{parts[0]: _replace_path(child, parts[1:], value, key, source)})
+
+
+def set_tier_tokens(cfg: Config, tier: str, tokens: int) -> Config:
+    """Size `tier` ("device", "host", "disk") in tokens, replacing its GiB size."""
+    c = cfg.cache
+    if tier == "disk":
+        cache = dataclasses.replace(c, l3=dataclasses.replace(c.l3, size_tokens=tokens, size_gib=None))
+    else:
+        cache = dataclasses.replace(c, **{tier: TierSize(size_tokens=tokens)})
+    return validate(dataclasses.replace(cfg, cache=cache), "command line")
+
+
+# ---------------------------------------------------------------------- sizes
+
+
+@dataclass(frozen=True)
+class ResolvedSizes:
+    """Tier capacities in pages (0 = tier disabled) for a model's KV bytes per page."""
+
+    page_size: int
+    page_bytes: int
+    device_pages: int
+    host_pages: int
+    disk_pages: int
+
+    def bytes(self, tier: str) -> int:
+        return getattr(self, f"{tier}_pages") * self.page_bytes
+
+    def tokens(self, tier: str) -> int:
+        return getattr(self, f"{tier}_pages") * self.page_size
+
+
+def _pages(size_gib: float | None, size_tokens: int | None, page_size: int, page_bytes: int) -> int:
+    if size_tokens is not None:
+        return size_tokens // page_size
+    if size_gib is None:
+        return 0
+    return int(size_gib * (1 << 30)) // page_bytes
+
+
+def resolve_sizes(cfg: Config, kv_bytes_per_token: int) -> ResolvedSizes:
+    """Tier sizes in pages for a model whose KV takes kv_bytes_per_token bytes per token."""
+    c = cfg.cache
+    page_bytes = kv_bytes_per_token * c.page_size
+    device = _pages(c.device.size_gib, c.device.size_tokens, c.page_size, page_bytes)
+    if device < 1:
+        raise ConfigError(f"cache.device: {device} pages is too small; the GPU tier needs at least one page")
+    host = _pages(c.host.size_gib, c.host.size_tokens, c.page_size, page_bytes)
+    disk = 0
+    if c.l3.path is not None:
+        disk = _pages(c.l3.size_gib, c.l3.size_tokens, c.page_size, page_bytes)
+    return ResolvedSizes(c.page_size, page_bytes, device, host, disk)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,22 @@
+"""Radix index over token ids at page granularity; owns where every cached page lives.
+
+Pure Python: no torch, no tier imports. Tiers are named by the constants in `radix.tree`.
+"""
+
+from radix.hashing import namespace_fingerprint, page_keys
+from radix.policy import EVICTION_POLICIES, eviction_priority
+from radix.tree import DEVICE, DISK, HOST, TIERS, MatchResult, RadixTree, TreeNode
+
+__all__ = [
+    "DEVICE",
+    "DISK",
+    "EVICTION_POLICIES",
+    "HOST",
+    "TIERS",
+    "MatchResult",
+    "RadixTree",
+    "TreeNode",
+    "eviction_priority",
+    "namespace_fingerprint",
+    "page_keys",
+]

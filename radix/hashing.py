@@ -1,0 +1,33 @@
+"""Chained content hashes of pages: the L3 key of a page.
+
+key(page i) = blake2b-128(key(page i-1) || token ids of page i), seeded with a namespace that
+fingerprints everything that changes the KV bytes (model, revision, dtype, layout, page size,
+KV heads, head dim, layers, TP rank). Equal keys mean equal tokens, equal prefix and equal bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Mapping, Sequence
+
+KEY_BYTES = 16
+
+
+def namespace_fingerprint(fields: Mapping[str, object]) -> bytes:
+    """A 16-byte fingerprint of `fields` (order-independent); used as the root of every page chain."""
+    canonical = json.dumps(dict(fields), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.blake2b(canonical.encode(), digest_size=KEY_BYTES, person=b"hicache-ns").digest()
+
+
+def page_keys(parent_key: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """Chained keys of the full pages of `tokens`, continuing the chain from `parent_key`."""
+    keys = []
+    prev = parent_key
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES)
+        h.update(array("q", tokens[start : start + page_size]).tobytes())
+        prev = h.digest()
+        keys.append(prev)
+    return keys

@@ -1,0 +1,492 @@
+"""The radix tree: token ids at page granularity, and where each cached page lives.
+
+A node holds a run of whole pages. For each tier it records the page ids of those pages in that
+tier (GPU page ids, host page ids, or the L3 keys) or None when the tier has no copy. All pages of
+one node share the same residency; nodes are split at page boundaries when that stops being true.
+
+Invariants (checked by `check_integrity`):
+- every node but the root is resident in at least one tier; a node that leaves its last tier is
+  removed, and it is then a leaf;
+- eviction in a tier takes leaves of that tier first (a parent outlives its children), so
+  residency is usually prefix-closed per tier; where it is not (a continuation found on L3 under
+  a prefix that is only in memory), a node that leaves its last tier takes its whole subtree with
+  it, since nothing below an uncached page can be reached;
+- a locked node (lock_ref > 0, counted along the path to the root) is never evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radix.hashing import KEY_BYTES, page_keys
+from radix.policy import eviction_priority
+
+DEVICE, HOST, DISK = "device", "host", "disk"
+TIERS = (DEVICE, HOST, DISK)
+_TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
+
+
+class TreeNode:
+    """A run of whole pages; per tier, the page ids (or L3 keys) holding them, or None."""
+
+    __slots__ = (
+        "parent",
+        "children",
+        "tokens",
+        "keys",
+        "loc",
+        "tier_children",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "pending",
+        "id",
+    )
+
+    _ids = itertools.count()
+
+    def __init__(self, parent: TreeNode | None, tokens: tuple[int, ...], keys: list[bytes]):
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.tokens = tokens
+        self.keys = keys  # chained content hash per page: the page's L3 key
+        self.loc: list[list[Any] | None] = [None, None, None]  # per tier index: page ids / keys
+        self.tier_children = [0, 0, 0]  # children resident in each tier
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.pending: Any = None  # transfer handle a reader must wait on before using device pages
+        self.id = next(TreeNode._ids)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    def pages(self, tier: str) -> list[Any] | None:
+        """Page ids of this node in `tier` (L3 keys for the disk tier), or None."""
+        return self.loc[_TIER_INDEX[tier]]
+
+    def in_tier(self, tier: str) -> bool:
+        return self.loc[_TIER_INDEX[tier]] is not None
+
+    def tiers(self) -> list[str]:
+        return [t for t, pages in zip(TIERS, self.loc) if pages is not None]
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, pages={self.num_pages}, tiers={self.tiers()}, lock={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    """Longest cached prefix of a token sequence and how it splits across tiers.
+
+    device_pages / host_pages / disk_pages count the matched pages whose fastest copy is on GPU, on
+    host, or only on L3. Usually they come in that order (GPU first, then host, then L3); `segments`
+    gives the exact order as (node, fastest tier). `nodes` is the matched path (root excluded).
+    """
+
+    nodes: list[TreeNode]
+    last_node: TreeNode
+    device_pages: int
+    host_pages: int
+    disk_pages: int
+    segments: list[tuple[TreeNode, str]] = field(default_factory=list)  # (node, fastest tier) in order
+
+    @property
+    def num_pages(self) -> int:
+        return self.device_pages + self.host_pages + self.disk_pages
+
+    def device_page_ids(self) -> list[int]:
+        """GPU page ids of the leading on-GPU part of the prefix."""
+        out: list[int] = []
+        for node, tier in self.segments:
+            if tier != DEVICE:
+                break
+            out.extend(node.loc[0])
+        return out
+
+
+class RadixTree:
+    """Radix tree over token ids at page granularity with per-tier residency and eviction order.
+
+    `page_size` tokens form a page; a trailing partial page is never cached. `namespace` seeds the
+    chained page keys. `eviction_policy` names a priority function from `radix.policy`.
+    """
+
+    def __init__(self, page_size: int, namespace: bytes = bytes(KEY_BYTES), eviction_policy: str = "lru"):
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        if len(namespace) != KEY_BYTES:
+            raise ValueError(f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
+        self.page_size = page_size
+        self.namespace = namespace
+        self.priority: Callable[[TreeNode], Any] = eviction_priority(eviction_policy)
+        self.root = TreeNode(None, (), [])
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = 0
+        self._seq = itertools.count()
+        self.pages_in = [0, 0, 0]  # pages resident per tier
+        self._leaves: list[set[TreeNode]] = [set(), set(), set()]  # evictable-leaf candidates per tier
+        self._heaps: list[list[tuple[Any, int, TreeNode]]] = [[], [], []]
+
+    # ------------------------------------------------------------------ lookup
+
+    def tick(self) -> int:
+        """Advance and return the logical clock used for last-access times."""
+        self._clock += 1
+        return self._clock
+
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
+        """Longest cached page-aligned prefix of `tokens`.
+
+        Side effects: splits a node when the match ends inside it; with `touch`, marks the matched
+        path as accessed now and counts a hit on each of its nodes.
+        """
+        ps = self.page_size
+        tokens = tuple(tokens)
+        end = len(tokens) // ps * ps
+        node, pos = self.root, 0
+        path: list[TreeNode] = []
+        while pos < end:
+            child = node.children.get(tokens[pos : pos + ps])
+            if child is None:
+                break
+            clen = len(child.tokens)
+            if tokens[pos : pos + clen] != child.tokens:
+                matched = ps
+                while matched < clen and pos + matched < end and (
+                    tokens[pos + matched : pos + matched + ps] == child.tokens[matched : matched + ps]
+                ):
+                    matched += ps
+                if matched < clen:
+                    child = self._split(child, matched // ps)
+                    clen = matched
+            path.append(child)
+            pos += clen
+            node = child
+        if touch and path:
+            now = self.tick()
+            for n in path:
+                n.last_access = now
+                n.hit_count += 1
+                self._refresh(n)
+        return self._result(path)
+
+    def _result(self, path: list[TreeNode]) -> MatchResult:
+        counts = [0, 0, 0]
+        segments = []
+        for n in path:
+            t = 0 if n.loc[0] is not None else 1 if n.loc[1] is not None else 2
+            counts[t] += n.num_pages
+            segments.append((n, TIERS[t]))
+        last = path[-1] if path else self.root
+        return MatchResult(path, last, counts[0], counts[1], counts[2], segments)
+
+    def path_tokens(self, node: TreeNode) -> tuple[int, ...]:
+        """All tokens from the root down to and including `node`."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.tokens)
+            node = node.parent
+        return tuple(itertools.chain.from_iterable(reversed(parts)))
+
+    def last_key(self, node: TreeNode) -> bytes:
+        """The chain key of the last page of `node` (the namespace for the root)."""
+        return node.keys[-1] if node is not self.root else self.namespace
+
+    # ------------------------------------------------------------------ insertion
+
+    def insert(
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[Any],
+        tier: str = DEVICE,
+        keys: Sequence[bytes] | None = None,
+        start: TreeNode | None = None,
+    ) -> tuple[TreeNode, list[Any]]:
+        """Record that the full pages of `tokens` are resident in `tier` at `pages` (one id per page).
+
+        Pages already resident in `tier` keep their existing ids; the caller's duplicates are
+        returned so it can free them. Existing nodes not yet in `tier` adopt the given ids.
+        With `start`, `tokens` continue the path of that node instead of starting at the root.
+        Returns (deepest node, duplicate page ids). Marks the path as accessed now.
+        """
+        ps = self.page_size
+        ti = _TIER_INDEX[tier]
+        tokens = tuple(tokens)
+        n_pages = len(tokens) // ps
+        if len(pages) != n_pages:
+            raise ValueError(f"insert: {n_pages} full pages of tokens but {len(pages)} page ids")
+        if keys is not None and len(keys) != n_pages:
+            raise ValueError(f"insert: {n_pages} full pages of tokens but {len(keys)} keys")
+        now = self.tick()
+        duplicates: list[Any] = []
+        node, page = (start if start is not None else self.root), 0
+        while page < n_pages:
+            pos = page * ps
+            child = node.children.get(tokens[pos : pos + ps])
+            if child is None:
+                rest = tokens[pos : n_pages * ps]
+                new_keys = list(keys[page:]) if keys is not None else page_keys(self.last_key(node), rest, ps)
+                child = TreeNode(node, rest, new_keys)
+                node.children[rest[:ps]] = child
+                child.last_access = now
+                self._set_loc(child, ti, list(pages[page:]))
+                node = child
+                break
+            k = 1
+            cpages = child.num_pages
+            while k < cpages and page + k < n_pages and (
+                tokens[pos + k * ps : pos + (k + 1) * ps] == child.tokens[k * ps : (k + 1) * ps]
+            ):
+                k += 1
+            if k < cpages:
+                child = self._split(child, k)
+            if child.loc[ti] is None:
+                self._set_loc(child, ti, list(pages[page : page + k]))
+            else:
+                duplicates.extend(pages[page : page + k])
+            child.last_access = now
+            self._refresh(child)
+            node = child
+            page += k
+        return node, duplicates
+
+    def split(self, node: TreeNode, k: int) -> TreeNode:
+        """Split `node` after its first k pages (0 < k < pages); returns the upper part."""
+        if not 0 < k < node.num_pages:
+            raise ValueError(f"cannot split {node} after {k} pages")
+        return self._split(node, k)
+
+    def _split(self, child: TreeNode, k: int) -> TreeNode:
+        """Split `child` after its first k pages; returns the new upper node (which keeps the tiers)."""
+        ps = self.page_size
+        parent = child.parent
+        mid = TreeNode(parent, child.tokens[: k * ps], child.keys[:k])
+        mid.loc = [None if p is None else p[:k] for p in child.loc]
+        mid.tier_children = [1 if p is not None else 0 for p in child.loc]
+        mid.lock_ref = child.lock_ref
+        mid.last_access = child.last_access
+        mid.hit_count = child.hit_count
+        mid.pending = child.pending
+        child.tokens = child.tokens[k * ps :]
+        child.keys = child.keys[k:]
+        child.loc = [None if p is None else p[k:] for p in child.loc]
+        parent.children[mid.tokens[:ps]] = mid
+        mid.children[child.tokens[:ps]] = child
+        child.parent = mid
+        return mid
+
+    # ------------------------------------------------------------------ residency
+
+    def set_location(self, node: TreeNode, tier: str, pages: Sequence[Any]) -> None:
+        """Record that `node`'s pages now also live in `tier` at `pages`."""
+        ti = _TIER_INDEX[tier]
+        if node.loc[ti] is not None:
+            raise ValueError(f"{node} is already resident in {tier}")
+        if len(pages) != node.num_pages:
+            raise ValueError(f"{node}: {len(pages)} page ids for {node.num_pages} pages")
+        self._set_loc(node, ti, list(pages))
+
+    def _set_loc(self, node: TreeNode, ti: int, pages: list[Any]) -> None:
+        node.loc[ti] = pages
+        self.pages_in[ti] += len(pages)
+        parent = node.parent
+        if parent is not self.root:
+            parent.tier_children[ti] += 1
+            self._leaves[ti].discard(parent)
+        if node.tier_children[ti] == 0:
+            self._leaves[ti].add(node)
+            self._push(ti, node)
+
+    def clear_location(self, node: TreeNode, tier: str) -> tuple[list[Any], list[TreeNode]]:
+        """Drop `node`'s copy in `tier`; returns (its page ids there, orphaned descendants).
+
+        The node must have no child resident in `tier` (leaves first). When the node is then in no
+        tier it is removed with its subtree; the removed descendants are returned with their `loc`
+        intact so the caller can free their pages in every tier.
+        """
+        ti = _TIER_INDEX[tier]
+        pages = node.loc[ti]
+        if pages is None:
+            raise ValueError(f"{node} is not resident in {tier}")
+        if node.tier_children[ti]:
+            raise ValueError(f"{node} has children in {tier}; evict them first")
+        if node.lock_ref > 0:
+            raise ValueError(f"{node} is locked")
+        self._unset_loc(node, ti)
+        orphans: list[TreeNode] = []
+        if node.loc == [None, None, None]:
+            orphans = self._detach(node)
+        return pages, orphans
+
+    def _unset_loc(self, node: TreeNode, ti: int) -> None:
+        pages = node.loc[ti]
+        node.loc[ti] = None
+        self.pages_in[ti] -= len(pages)
+        self._leaves[ti].discard(node)
+        parent = node.parent
+        if parent is not self.root:
+            parent.tier_children[ti] -= 1
+            if parent.tier_children[ti] == 0 and parent.loc[ti] is not None:
+                self._leaves[ti].add(parent)
+                self._push(ti, parent)
+
+    def remove_subtree(self, node: TreeNode) -> list[TreeNode]:
+        """Remove an unlocked node and everything below it, whatever their tiers.
+
+        Returns the removed nodes (node first) with `loc` intact so the caller can free their pages.
+        """
+        if node.lock_ref > 0:
+            raise ValueError(f"{node} is locked")
+        for ti in range(3):
+            if node.loc[ti] is not None:
+                pages = node.loc[ti]
+                self._unset_loc(node, ti)
+                node.loc[ti] = pages  # _unset_loc cleared it; the caller still needs the ids
+        return [node, *self._detach(node)]
+
+    def _detach(self, node: TreeNode) -> list[TreeNode]:
+        """Remove `node` (in no tier) and its subtree; returns the removed descendants."""
+        del node.parent.children[node.tokens[: self.page_size]]
+        node.parent = None
+        removed: list[TreeNode] = []
+        stack = list(node.children.values())
+        node.children = {}
+        while stack:
+            n = stack.pop()
+            if n.lock_ref > 0:
+                raise AssertionError(f"locked {n} below unlocked {node}")  # locks count along the path
+            removed.append(n)
+            for ti, pages in enumerate(n.loc):
+                if pages is not None:
+                    self.pages_in[ti] -= len(pages)
+                    self._leaves[ti].discard(n)
+            stack.extend(n.children.values())
+            n.parent = None
+        return removed
+
+    def _push(self, ti: int, node: TreeNode) -> None:
+        heap = self._heaps[ti]
+        heapq.heappush(heap, (self.priority(node), next(self._seq), node))
+        if len(heap) > 4 * len(self._leaves[ti]) + 1024:
+            self._heaps[ti] = [(self.priority(n), next(self._seq), n) for n in self._leaves[ti]]
+            heapq.heapify(self._heaps[ti])
+
+    def _refresh(self, node: TreeNode) -> None:
+        for ti in range(3):
+            if node in self._leaves[ti]:
+                self._push(ti, node)
+
+    def pop_evictable(self, tier: str, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
+        """The lowest-priority unlocked leaf of `tier` (no child resident in `tier`), or None.
+
+        The node is not modified: the caller moves or drops its pages, then calls clear_location.
+        Nodes for which `skip(node)` is true are passed over.
+        """
+        ti = _TIER_INDEX[tier]
+        heap, leaves = self._heaps[ti], self._leaves[ti]
+        passed = []
+        found = None
+        while heap:
+            prio, _, node = heapq.heappop(heap)
+            if node not in leaves or prio != self.priority(node) or node.lock_ref > 0:
+                continue  # stale entry; locked nodes are pushed again on unlock
+            if skip is not None and skip(node):
+                passed.append(node)
+                continue
+            found = node
+            heapq.heappush(heap, (prio, next(self._seq), node))  # stays a candidate until cleared
+            break
+        for node in passed:
+            self._push(ti, node)
+        return found
+
+    def evictable_leaves(self, tier: str) -> list[TreeNode]:
+        """All unlocked leaves of `tier`, lowest priority first."""
+        ti = _TIER_INDEX[tier]
+        return sorted((n for n in self._leaves[ti] if n.lock_ref == 0), key=self.priority)
+
+    # ------------------------------------------------------------------ locking
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect `node` and its ancestors from eviction in every tier."""
+        while node is not None:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`."""
+        while node is not None:
+            if node.lock_ref <= 0:
+                raise ValueError(f"unlock of unlocked {node}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._refresh(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ inspection
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """All nodes except the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def owned_pages(self, tier: str) -> list[Any]:
+        """Every page id (or key) the tree records in `tier`."""
+        ti = _TIER_INDEX[tier]
+        return [p for n in self.nodes() if n.loc[ti] is not None for p in n.loc[ti]]
+
+    def check_integrity(self) -> None:
+        """Verify structure and bookkeeping; raises AssertionError naming the first violation."""
+        ps = self.page_size
+        pages_in = [0, 0, 0]
+        seen: list[set[Any]] = [set(), set(), set()]
+
+        def fail(msg: str) -> None:
+            raise AssertionError(f"radix integrity: {msg}")
+
+        for node in self.nodes():
+            parent = node.parent
+            if parent is None or parent.children.get(node.tokens[:ps]) is not node:
+                fail(f"{node} is not its parent's child under its first page")
+            if not node.tokens or len(node.tokens) % ps or len(node.tokens) // ps != len(node.keys):
+                fail(f"{node} has {len(node.tokens)} tokens and {len(node.keys)} keys (page size {ps})")
+            if node.loc == [None, None, None]:
+                fail(f"{node} is resident in no tier")
+            if node.lock_ref < 0:
+                fail(f"{node} has negative lock count")
+            if parent is not self.root and node.lock_ref > parent.lock_ref:
+                fail(f"{node} lock {node.lock_ref} exceeds its parent's {parent.lock_ref}")
+            expect_first = page_keys(self.last_key(parent), node.tokens[:ps], ps)[0]
+            if node.keys[0] != expect_first:
+                fail(f"{node} first key does not chain from its parent")
+            for ti, pages in enumerate(node.loc):
+                in_children = sum(1 for c in node.children.values() if c.loc[ti] is not None)
+                if in_children != node.tier_children[ti]:
+                    fail(f"{node} counts {node.tier_children[ti]} children in {TIERS[ti]}, has {in_children}")
+                is_leaf = pages is not None and in_children == 0
+                if is_leaf != (node in self._leaves[ti]):
+                    fail(f"{node} leaf-set membership wrong for {TIERS[ti]}")
+                if pages is None:
+                    continue
+                if len(pages) != node.num_pages:
+                    fail(f"{node} has {len(pages)} {TIERS[ti]} ids for {node.num_pages} pages")
+                for p in pages:
+                    if p in seen[ti]:
+                        fail(f"{TIERS[ti]} page {p!r} owned twice")
+                    seen[ti].add(p)
+                pages_in[ti] += len(pages)
+        if pages_in != self.pages_in:
+            fail(f"page counts per tier {self.pages_in} but nodes hold {pages_in}")
+        for ti in range(3):
+            for n in self._leaves[ti]:
+                if n.parent is None:
+                    fail(f"removed {n} still in {TIERS[ti]} leaf set")

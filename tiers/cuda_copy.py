@@ -1,0 +1,131 @@
+"""Page copies between the layer-first GPU pool and the page-first pinned host pool on CUDA streams.
+
+Promotion (host -> GPU): whole host pages (contiguous, page-first) are copied over PCIe into a GPU
+staging buffer, runs of consecutive host pages as one copy; a second stream scatters each staged
+chunk into the layer-first pool. Demotion (GPU -> host) is the mirror: gather into staging, then
+copy out. Chunks are double-buffered so the GPU-side gather/scatter of one chunk overlaps the PCIe
+copy of the next; streams are ordered with events, never with host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tiers.device_pool import DevicePool
+from tiers.host_pool import HostPool
+
+STAGING_BYTES = 64 << 20  # per staging buffer; two of them
+
+
+class CudaTransfer:
+    """A transfer in flight on CUDA streams, finished when `event` completes."""
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def stream_wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current one) wait for this transfer without blocking the host."""
+        (stream or torch.cuda.current_stream()).wait_event(self.event)
+
+
+def _runs(pages: Sequence[int], limit: int) -> list[tuple[int, int, int]]:
+    """Split `pages` into (start index, first page, length) runs of consecutive page ids, <= limit long."""
+    runs = []
+    i, n = 0, len(pages)
+    while i < n:
+        j = i + 1
+        while j < n and j - i < limit and pages[j] == pages[j - 1] + 1:
+            j += 1
+        runs.append((i, pages[i], j - i))
+        i = j
+    return runs
+
+
+class CudaPageCopier:
+    """Double-buffered, two-stream page copier; see the module docstring."""
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, staging_bytes: int = STAGING_BYTES):
+        if not host_pool.pinned:
+            raise ValueError("CudaPageCopier needs a pinned host pool")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        layout = device_pool.layout
+        self.chunk_pages = max(1, staging_bytes // layout.page_bytes)
+        shape = (self.chunk_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        device = device_pool.device
+        self.staging = [torch.empty(shape, dtype=device_pool.dtype, device=device) for _ in range(2)]
+        self.copy_stream = torch.cuda.Stream(device)
+        self.shuffle_stream = torch.cuda.Stream(device)  # GPU-side gather/scatter
+        self.staging_free = [torch.cuda.Event() for _ in range(2)]
+        for ev in self.staging_free:
+            ev.record(self.shuffle_stream)
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        return [(s, min(n, s + self.chunk_pages)) for s in range(0, n, self.chunk_pages)]
+
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> CudaTransfer:
+        """Promote host pages into GPU pages; returns when the copies are queued."""
+        if len(device_pages) != len(host_pages):
+            raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
+        kv, host = self.device_pool.kv, self.host_pool.buffer
+        compute = torch.cuda.current_stream()
+        self.copy_stream.wait_stream(compute)  # pages being overwritten may still be read by compute
+        self.shuffle_stream.wait_stream(compute)
+        dev_index = torch.as_tensor(list(device_pages), dtype=torch.long).pin_memory()
+        dev_index = dev_index.to(self.device_pool.device, non_blocking=True)
+        for k, (start, end) in enumerate(self._chunks(len(host_pages))):
+            buf = k % 2
+            staging = self.staging[buf]
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(self.staging_free[buf])
+                for offset, first, length in _runs(host_pages[start:end], self.chunk_pages):
+                    staging[offset : offset + length].copy_(host[first : first + length], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.copy_stream)
+            with torch.cuda.stream(self.shuffle_stream):
+                self.shuffle_stream.wait_event(copied)
+                kv.index_copy_(2, dev_index[start:end], staging[: end - start].permute(1, 2, 0, 3, 4, 5))
+                self.staging_free[buf].record(self.shuffle_stream)
+        done = torch.cuda.Event()
+        done.record(self.shuffle_stream)
+        return CudaTransfer(done)
+
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> CudaTransfer:
+        """Demote GPU pages into host pages; returns when the copies are queued."""
+        if len(device_pages) != len(host_pages):
+            raise ValueError(f"to_host: {len(device_pages)} device pages vs {len(host_pages)} host pages")
+        kv, host = self.device_pool.kv, self.host_pool.buffer
+        compute = torch.cuda.current_stream()
+        self.shuffle_stream.wait_stream(compute)  # the KV being saved was written by compute
+        dev_index = torch.as_tensor(list(device_pages), dtype=torch.long).pin_memory()
+        dev_index = dev_index.to(self.device_pool.device, non_blocking=True)
+        for k, (start, end) in enumerate(self._chunks(len(device_pages))):
+            buf = k % 2
+            staging = self.staging[buf]
+            with torch.cuda.stream(self.shuffle_stream):
+                self.shuffle_stream.wait_event(self.staging_free[buf])
+                staging[: end - start].copy_(kv.index_select(2, dev_index[start:end]).permute(2, 0, 1, 3, 4, 5))
+                gathered = torch.cuda.Event()
+                gathered.record(self.shuffle_stream)
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(gathered)
+                for offset, first, length in _runs(host_pages[start:end], self.chunk_pages):
+                    host[first : first + length].copy_(staging[offset : offset + length], non_blocking=True)
+                self.staging_free[buf].record(self.copy_stream)
+        done = torch.cuda.Event()
+        done.record(self.copy_stream)
+        return CudaTransfer(done)
+
+    def fence(self) -> None:
+        """Make the current stream wait for every copy issued so far (GPU-side, host not blocked)."""
+        compute = torch.cuda.current_stream()
+        compute.wait_stream(self.copy_stream)
+        compute.wait_stream(self.shuffle_stream)

@@ -1,0 +1,64 @@
+"""The host KV pool (L2): page-first, so one page (all layers' K and V) is one contiguous block."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tiers.base import KVLayout, PageAllocator
+
+logger = logging.getLogger(__name__)
+
+
+class HostPool:
+    """Page-first KV storage in host memory, pinned when CUDA is available.
+
+    `buffer` is [pages][layers][k|v][page_size][kv_heads][head_dim]; `page_view(i)` is page i as a
+    contiguous 1-D uint8 tensor, the unit the L3 store reads and writes.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype, pin_memory: bool | None = None):
+        if num_pages <= 0:
+            raise ValueError(f"host pool needs at least one page, got {num_pages}")
+        self.layout = layout
+        self.dtype = dtype
+        self.page_bytes = layout.page_bytes
+        self.capacity_pages = num_pages
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = pin_memory
+        shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        self.buffer = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+        self._bytes = self.buffer.view(num_pages, -1).view(torch.uint8)
+        self.allocator = PageAllocator(num_pages, "host")
+        logger.info("host pool: %d pages x %d bytes, pinned=%s", num_pages, self.page_bytes, pin_memory)
+
+    def allocate(self, n: int) -> list[int] | None:
+        return self.allocator.allocate(n)
+
+    def free(self, pages: Sequence[int]) -> None:
+        self.allocator.free(pages)
+
+    def used_pages(self) -> int:
+        return self.allocator.used_pages
+
+    def page_view(self, page: int) -> torch.Tensor:
+        """Page `page` as a contiguous 1-D uint8 tensor sharing the pool's memory."""
+        return self._bytes[page]
+
+    def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
+        return self.buffer.index_select(0, torch.as_tensor(list(pages), dtype=torch.long))
+
+    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+        self.buffer.index_copy_(0, torch.as_tensor(list(pages), dtype=torch.long), data.to("cpu", self.dtype))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "capacity_pages": self.capacity_pages,
+            "used_pages": self.used_pages(),
+            "page_bytes": self.page_bytes,
+            "pinned": self.pinned,
+        }
