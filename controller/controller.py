@@ -417,24 +417,39 @@ class TierController:
                 self._disk_inflight -= n
                 self.tree.unlock(node)
                 if all(c.results):
-                    if node.loc[2] is None:
-                        self.tree.set_location(node, DISK, list(node.keys))
+                    for part in self._pieces(node, lambda p, keys=c.keys: p.keys[0] in keys):
+                        if part.loc[2] is None:
+                            self.tree.set_location(part, DISK, list(part.keys))
                 else:
                     self.stats.drops["l3_write_failed"] += c.results.count(False)
             else:
                 self._loading.pop(node.id, None)
                 load: _DiskLoad = node.pending
+                parts = self._pieces(node, lambda p, load=load: p.pending is load)  # the node may have been split
                 if all(c.results):
-                    self.tree.set_location(node, HOST, load.host_pages)
-                    node.pending = self.copier.to_device(load.host_pages, node.loc[0]) if self.copier else COMPLETED
+                    offset = 0
+                    for part in parts:
+                        host_pages = load.host_pages[offset : offset + part.num_pages]
+                        offset += part.num_pages
+                        self.tree.set_location(part, HOST, host_pages)
+                        part.pending = self.copier.to_device(host_pages, part.loc[0]) if self.copier else COMPLETED
                     self.stats.moved(DISK, HOST, n, self.page_bytes)
                     self.stats.moved(HOST, DEVICE, n, self.page_bytes)
                 else:
                     self.host.free(load.host_pages)
-                    node.pending = FAILED
                     self.stats.load_failures += 1
-                    self._invalid[node.id] = node
+                    for part in parts:
+                        part.pending = FAILED
+                        self._invalid[part.id] = part
         self._remove_invalid()
+
+    @staticmethod
+    def _pieces(node: TreeNode, belongs: Any) -> list[TreeNode]:
+        """node and the ancestors split off it that still belong to the same transfer, top-down."""
+        parts = [node]
+        while parts[0].parent is not None and parts[0].parent.parent is not None and belongs(parts[0].parent):
+            parts.insert(0, parts[0].parent)
+        return parts
 
     def _remove_invalid(self) -> None:
         for key, node in list(self._invalid.items()):
@@ -471,8 +486,19 @@ class TierController:
             node = self.tree.pop_evictable(tier, skip)
             if node is None:
                 break
-            freed += self._evict_node(tier, node)
+            freed += self._evict_node(tier, self._tail(node, need - freed))
         return freed
+
+    def _tail(self, node: TreeNode, pages: int) -> TreeNode:
+        """The last `pages` pages of node as their own node (split off), or node if it is no larger.
+
+        Eviction is per page: within a node the last pages are the least valuable (a parent outlives
+        its children), so only as many as needed leave the tier.
+        """
+        if node.num_pages <= pages:
+            return node
+        self.tree.split(node, node.num_pages - pages)
+        return node  # after the split, `node` keeps the tail
 
     def _evict_node(self, tier: str, node: TreeNode) -> int:
         n = node.num_pages
@@ -499,11 +525,11 @@ class TierController:
         """Evict L3 leaves until n more pages fit under the disk capacity."""
         if n > self.disk_capacity:
             return False
-        while self.tree.pages_in[2] + self._disk_inflight + n > self.disk_capacity:
+        while (over := self.tree.pages_in[2] + self._disk_inflight + n - self.disk_capacity) > 0:
             node = self.tree.pop_evictable(DISK)
             if node is None:
                 return False
-            self._evict_node(DISK, node)
+            self._evict_node(DISK, self._tail(node, over))
         return True
 
     def _free_nodes(self, nodes: list[TreeNode]) -> None:

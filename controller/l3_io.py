@@ -24,6 +24,7 @@ class Completion:
     kind: str  # "write" or "read"
     token: Any  # the caller's tag
     results: list[bool]  # per page: written / read and verified
+    keys: frozenset[bytes] = frozenset()
 
 
 @dataclass
@@ -152,7 +153,7 @@ class L3Worker:
         i = 0
         for job in batch:
             n = len(job.keys)
-            self._finish(Completion("write", job.token, results[i : i + n]), n)
+            self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys)), n)
             i += n
 
     def _run_read(self, token: Any, keys: list[bytes], pages: list[Any]) -> None:
@@ -161,4 +162,4 @@ class L3Worker:
         except Exception:
             logger.exception("L3 read of %d pages failed", len(keys))
             results = [False] * len(keys)
-        self._finish(Completion("read", token, results))
+        self._finish(Completion("read", token, results, frozenset(keys)))
