@@ -253,9 +253,15 @@ class L3Store:
         self._check_batch(keys, pages)
         results = [False] * len(keys)
         todo = self._plan_writes(keys, results)
-        if not todo:
-            return results
-        victims, slots = self._allocate([keys[i] for i in todo])
+        if todo:
+            self._write_planned(keys, pages, todo, results)
+        first: dict[bytes, int] = {}
+        for i, key in enumerate(keys):  # a repeated key shares its first occurrence's outcome
+            results[i] = results[first.setdefault(key, i)]
+        return results
+
+    def _write_planned(self, keys, pages, todo: list[int], results: list[bool]) -> None:
+        victims, slots = self._allocate([keys[i] for i in todo], protect=set(keys))
         if victims and not self._commit_drop(victims, release=False):
             slots = []  # the victims' index state is unknown (now quarantined): write nothing
             with self._lock:
@@ -275,7 +281,6 @@ class L3Store:
                 continue
             digests = self._write_group(keys, pages, group, group_slots)
             self._finish_writes(keys, group, group_slots, digests, results)
-        return results
 
     def read_pages(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Copy stored pages into `out`; True only if the bytes verified against the stored checksum.
@@ -430,7 +435,10 @@ class L3Store:
                 log.info("%s: degraded; probing with a write", self.path)
                 self._state = "probing"
             candidates = []
+            firsts: dict[bytes, int] = {}
             for i, key in enumerate(keys):
+                if firsts.setdefault(key, i) != i:
+                    continue  # a repeat: write_pages copies the first occurrence's outcome
                 if key in self._entries:
                     results[i] = True
                     self._counters["already_present"] += 1
@@ -441,7 +449,6 @@ class L3Store:
                     self._counters["busy"] += 1
                 else:
                     candidates.append(i)
-            candidates = list({keys[i]: i for i in reversed(candidates)}.values())[::-1]  # first of dups
             admitted = self._admission.admit([keys[i] for i in candidates])
             self._counters["not_admitted"] += admitted.count(False)
             todo = [i for i, ok in zip(candidates, admitted) if ok]
@@ -449,8 +456,11 @@ class L3Store:
                 self._in_flight[keys[i]] = -1
             return todo
 
-    def _allocate(self, keys: list[bytes]) -> tuple[list[tuple[bytes, int]], list[int]]:
-        """Slots for `keys` (in order), evicting least recently used pages; returns (victims, slots)."""
+    def _allocate(self, keys: list[bytes], protect: set[bytes]) -> tuple[list[tuple[bytes, int]], list[int]]:
+        """Slots for `keys` (in order), evicting least recently used pages; returns (victims, slots).
+
+        Pages being read and pages named in this batch (`protect`) are never victims.
+        """
         with self._lock:
             slots = [heapq.heappop(self._free) for _ in range(min(len(keys), len(self._free)))]
             victims = []
@@ -458,7 +468,7 @@ class L3Store:
                 for key, entry in self._entries.items():
                     if len(slots) + len(victims) == len(keys):
                         break
-                    if entry.slot not in self._pins:
+                    if entry.slot not in self._pins and key not in protect:
                         victims.append((key, entry.slot))
                 for key, _ in victims:
                     del self._entries[key]  # its slot is now in flight to the writer
