@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
+from hicache.engine import load_model
 from hicache.engine.model import ForwardBatch, LlamaModel
 
 
@@ -25,7 +28,7 @@ def make_batch(
         slots += [slot(page_table, p, page_size) for p in range(cached, seq_len)]
         seq_lens.append(seq_len)
         new_lens.append(len(new_tokens))
-        tables.append(page_table[: -(-seq_len // page_size)])
+        tables.append(page_table[: -(-seq_len // page_size)].to(device))
     return ForwardBatch(
         input_ids=torch.tensor(ids, device=device),
         positions=torch.tensor(positions, device=device),
@@ -44,7 +47,58 @@ def run_in_chunks(
         raise ValueError("chunks must cover the tokens")
     logits, cached = [], 0
     for size in chunks:
-        batch = make_batch([(tokens[cached : cached + size], cached, page_table)], page_size)
+        batch = make_batch([(tokens[cached : cached + size], cached, page_table)], page_size, model.device)
         logits.append(model(batch, kv, page_size, all_logits=True))
         cached += size
     return torch.cat(logits)
+
+
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def hf_and_ours(tmp_path: Path, kind: str, device: str = "cpu"):
+    """A small random HF model of `kind` (llama, llama3, qwen2, tied) and ours loaded from its save_pretrained."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        config = transformers.Qwen2Config(**SMALL, rope_theta=1e6)
+        hf = transformers.Qwen2ForCausalLM(config)
+    else:
+        extra = {}
+        if kind == "llama3":
+            extra["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        tied = kind == "tied"
+        config = transformers.LlamaConfig(**SMALL, rope_theta=500000.0, tie_word_embeddings=tied, **extra)
+        hf = transformers.LlamaForCausalLM(config)
+    if kind == "qwen2":  # HF initialises biases to zero; make them matter
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0, 0.5)
+    hf.eval()
+    hf.save_pretrained(tmp_path / kind, max_shard_size="100KB" if kind == "qwen2" else "1GB")
+    if kind == "qwen2":
+        assert len(list((tmp_path / kind).glob("*.safetensors"))) > 1  # sharded checkpoint path
+    ours, _ = load_model(str(tmp_path / kind), torch.float32, torch.device(device))
+    return hf.to(device), ours
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    """All-position float32 logits of one sequence from a transformers model."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens], device=hf.device)).logits[0].float()

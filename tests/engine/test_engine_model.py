@@ -7,69 +7,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import make_batch, run_in_chunks
+from engine_helpers import hf_and_ours, hf_logits, make_batch, run_in_chunks
 
 from hicache.engine import load_model
 from hicache.engine.model import ModelConfig
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 PAGE_SIZE = 4
 NUM_PAGES = 24
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-
-
-def _hf_and_ours(tmp_path: Path, kind: str):
-    torch.manual_seed(0)
-    if kind == "qwen2":
-        config = transformers.Qwen2Config(**SMALL, rope_theta=1e6)
-        hf = transformers.Qwen2ForCausalLM(config)
-    else:
-        extra = {}
-        if kind == "llama3":
-            extra["rope_scaling"] = {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            }
-        tied = kind == "tied"
-        config = transformers.LlamaConfig(**SMALL, rope_theta=500000.0, tie_word_embeddings=tied, **extra)
-        hf = transformers.LlamaForCausalLM(config)
-    if kind == "qwen2":  # HF initialises biases to zero; make them matter
-        with torch.no_grad():
-            for name, param in hf.named_parameters():
-                if name.endswith("bias"):
-                    param.normal_(0, 0.5)
-    hf.eval()
-    hf.save_pretrained(tmp_path / kind, max_shard_size="100KB" if kind == "qwen2" else "1GB")
-    if kind == "qwen2":
-        assert len(list((tmp_path / kind).glob("*.safetensors"))) > 1  # sharded checkpoint path
-    ours, _ = load_model(str(tmp_path / kind), torch.float32, torch.device("cpu"))
-    return hf, ours
-
-
-def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "tied"])
 def test_matches_transformers_prefill_chunks_and_decode(tmp_path: Path, kind: str) -> None:
-    hf, ours = _hf_and_ours(tmp_path, kind)
+    hf, ours = hf_and_ours(tmp_path, kind)
     assert ours.config.attention_bias == (kind == "qwen2")
     assert ours.config.tie_word_embeddings == (kind == "tied")
     tokens = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(1)).tolist()
-    expected = _hf_logits(hf, tokens)
+    expected = hf_logits(hf, tokens)
     kv_shape = ours.kv_pool_shape(NUM_PAGES, PAGE_SIZE)
 
     full = run_in_chunks(ours, torch.zeros(kv_shape), torch.arange(12), tokens, [45], PAGE_SIZE)
@@ -83,11 +38,11 @@ def test_matches_transformers_prefill_chunks_and_decode(tmp_path: Path, kind: st
 
 
 def test_ragged_batches_match_single_sequences(tmp_path: Path) -> None:
-    hf, ours = _hf_and_ours(tmp_path, "llama3")
+    hf, ours = hf_and_ours(tmp_path, "llama3")
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 3, 17)]
     total = [p + torch.randint(0, 256, (6,), generator=gen).tolist() for p in prompts]
-    expected = [_hf_logits(hf, t) for t in total]
+    expected = [hf_logits(hf, t) for t in total]
     # shuffled pages, interleaved between the three sequences
     pages = torch.randperm(NUM_PAGES, generator=gen)
     tables = [pages[0:8], pages[8:16], pages[16:24]]
@@ -117,7 +72,7 @@ def test_ragged_batches_match_single_sequences(tmp_path: Path) -> None:
 
 
 def test_kv_written_where_the_layout_says(tmp_path: Path) -> None:
-    _, ours = _hf_and_ours(tmp_path, "llama")
+    _, ours = hf_and_ours(tmp_path, "llama")
     kv = torch.zeros(ours.kv_pool_shape(NUM_PAGES, PAGE_SIZE))
     table = torch.tensor([5, 2])
     ours(make_batch([([1, 2, 3, 4, 5, 6], 0, table)], PAGE_SIZE), kv, PAGE_SIZE)
