@@ -230,8 +230,9 @@ class TierController:
     def _load_node(self, node: TreeNode) -> bool:
         """Give a locked node GPU pages and start copying its data there; False if no room."""
         n = node.num_pages
-        if node.loc[1] is None and (node.pending is not None or self.host is None or node.id in self._writing):
+        if node.loc[1] is None and (self.host is None or node.id in self._writing):
             return False
+        node.pending = None  # any earlier transfer finished with the device copy it filled
         dev = self._allocate(DEVICE, n)
         if dev is None:
             self.stats.drops["device_full_on_load"] += n
@@ -339,8 +340,17 @@ class TierController:
     # ------------------------------------------------------------------ write policies
 
     def _selective_backups(self, nodes: list[TreeNode]) -> None:
+        """Back up hit pages that a selective policy now admits; retry write-through that was refused
+        earlier (full queue, or the L3 admission rule, which counts these hits)."""
         hits = self.policy.selective_hits
         for node in nodes:
+            if self.l3 is not None and node.loc[1] is not None and node.loc[2] is None and (
+                self.policy.host_to_disk == "write_through"
+            ):
+                note = getattr(self.l3, "note_hit", None)
+                if note is not None:
+                    note(node.keys)
+                self._write_to_disk(node)
             if node.hit_count < hits:
                 continue
             if self.host is not None and node.loc[1] is None and node.loc[0] is not None and (
@@ -513,6 +523,8 @@ class TierController:
             ):
                 self._write_to_disk(node, bounce=True)
         self.stats.evictions[tier] += n
+        if tier == DEVICE:
+            node.pending = None  # a finished promotion into the pages being freed
         pages, orphans = self.tree.clear_location(node, tier)
         if tier == DISK:
             self.l3.delete(pages)

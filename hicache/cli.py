@@ -1,0 +1,57 @@
+"""The `hicache` command: one subcommand per module, each registering its own parser.
+
+Exit codes: 0 success, 1 a failed check (e.g. `l3 inspect --verify` found bad pages),
+2 bad input (config error, bad flag, unreadable file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from hicache.config import ConfigError
+
+# Modules that add subcommands: each has `register(subparsers)` setting `func` on its parser.
+SUBCOMMAND_MODULES = (
+    "hicache.commands.config_cmd",
+    "hicache.commands.l3_cmd",
+    "hicache.engine.cli",
+    "hicache.server.cli",
+    "hicache.replay.cli",
+    "hicache.bench_client.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache", description="Three-tier KV cache for LLM serving")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):
+                continue  # that part of the application is not installed in this tree
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"hicache: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

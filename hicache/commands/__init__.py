@@ -1,0 +1,1 @@
+"""Small subcommands of the `hicache` CLI that belong to no larger module."""

@@ -1,0 +1,40 @@
+"""`hicache config FILE`: validate a config file and print it resolved (tier sizes in pages and bytes)."""
+
+from __future__ import annotations
+
+import argparse
+
+import yaml
+
+from hicache.config import load_config, resolve_sizes, to_dict
+from hicache.modelinfo import model_shape, resolve_dtype
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="validate a config file and print the resolved configuration")
+    p.add_argument("file", help="YAML config file")
+    p.set_defaults(func=run)
+
+
+def describe(cfg, source: str) -> str:
+    """The resolved config as YAML, followed by the tier sizes in pages, tokens and bytes."""
+    shape = model_shape(cfg.model.name)
+    dtype = resolve_dtype(cfg.model.dtype, cfg.model.device)
+    sizes = resolve_sizes(cfg, shape.kv_bytes_per_token(dtype))
+    lines = [f"# {source}: valid", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "", "# resolved"]
+    lines.append(f"model: {shape.name} ({shape.num_layers} layers, {shape.num_kv_heads} KV heads, "
+                 f"head dim {shape.head_dim}), dtype {dtype}")
+    lines.append(f"page: {sizes.page_size} tokens = {sizes.page_bytes} bytes "
+                 f"({shape.kv_bytes_per_token(dtype)} bytes/token)")
+    for tier in ("device", "host", "disk"):
+        pages = getattr(sizes, f"{tier}_pages")
+        state = "" if pages else "  (disabled)"
+        lines.append(f"{tier:>6}: {pages} pages, {sizes.tokens(tier)} tokens, "
+                     f"{sizes.bytes(tier) / (1 << 30):.3f} GiB{state}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.file)
+    print(describe(cfg, args.file))
+    return 0

@@ -1,0 +1,32 @@
+"""`hicache l3 inspect --l3-path DIR [--verify]`: report on an L3 store without modifying it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("l3", help="L3 (NVMe) store tools")
+    l3sub = p.add_subparsers(dest="l3_command", required=True, metavar="L3_COMMAND")
+    q = l3sub.add_parser("inspect", help="pages, bytes, capacity, namespaces and I/O path of a store (read-only)")
+    q.add_argument("--l3-path", required=True, help="the store's directory")
+    q.add_argument("--verify", action="store_true", help="re-read every page and check its checksum")
+    q.add_argument("--json", action="store_true", help="print the report as JSON")
+    q.set_defaults(func=run_inspect)
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from tiers.l3 import L3Error
+    from tiers.l3.inspect import format_report, inspect_store
+
+    try:
+        report = inspect_store(args.l3_path, verify=args.verify)
+    except (L3Error, OSError) as e:
+        print(f"hicache l3 inspect: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
+    if args.verify and report.get("bad_pages", 0):
+        return 1
+    return 0

@@ -1,0 +1,66 @@
+"""Typed config: loading, validation errors that name key and file, overrides, CLI exit codes."""
+
+import pytest
+
+from hicache.cli import main
+from hicache.config import Config, ConfigError, from_dict, load_config, override, resolve_sizes, set_tier_tokens
+
+
+def test_defaults_and_shipped_configs_are_valid():
+    assert load_config(None) == Config()
+    for name in ("configs/default.yaml", "configs/h200-llama8b.yaml"):
+        cfg = load_config(name)
+        assert cfg.cache.page_size in (16, 64)
+    cfg = load_config("configs/h200-llama8b.yaml")
+    sizes = resolve_sizes(cfg, 131072)  # Llama-3.1-8B bf16: 128 KiB per token
+    assert sizes.page_bytes == 8 << 20 and sizes.device_pages == 1024 and sizes.host_pages == 6144
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"cache": {"page_sise": 16}}, "unknown key 'cache.page_sise'"),
+        ({"cache": {"page_size": "16"}}, "cache.page_size: expected an integer"),
+        ({"cache": {"page_size": 12}}, "cache.page_size: must be a positive power of two"),
+        ({"cache": {"host": {"size_gib": -1}}}, "cache.host.size_gib: must be >= 0"),
+        ({"cache": {"host": {"size_gib": 1, "size_tokens": 5}}}, "give exactly one of"),
+        ({"cache": {"write_policy": {"device_to_host": "sometimes"}}}, "is not one of"),
+        ({"server": {"port": 70000}}, "server.port: must be in 1..65535"),
+        ({"model": {"dtype": "int3"}}, "model.dtype"),
+        ({"cache": {"l3": {"path": ""}}}, "cache.l3.path: must not be empty"),
+        ({"scheduler": {"chunk_tokens": True}}, "expected an integer"),
+        (["a"], "top level must be a mapping"),
+    ],
+)
+def test_bad_values_name_the_key_and_file(data, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        from_dict(data, "my.yaml")
+    assert "my.yaml" in str(e.value)
+
+
+def test_override_and_tier_tokens():
+    cfg = override(Config(), {"cache.l3.path": "/tmp/x", "server.port": 9000})
+    assert cfg.cache.l3.path == "/tmp/x" and cfg.server.port == 9000
+    with pytest.raises(ConfigError, match="unknown key 'cache.nope'"):
+        override(Config(), {"cache.nope": 1})
+    cfg = set_tier_tokens(cfg, "disk", 4096)
+    sizes = resolve_sizes(cfg, 100)
+    assert sizes.disk_pages == 4096 // 16 and sizes.bytes("disk") == 4096 * 100
+    assert resolve_sizes(set_tier_tokens(cfg, "host", 0), 100).host_pages == 0
+    with pytest.raises(ConfigError, match="at least one page"):
+        resolve_sizes(override(Config(), {"cache.device.size_tokens": 4}), 100)
+
+
+def test_cli_config_command(tmp_path, capsys):
+    assert main(["config", "configs/default.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "device: 256 pages, 4096 tokens" in out and "disk:" in out and "valid" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cache:\n  page_size: 16\n  colour: blue\n")
+    assert main(["config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'cache.colour'" in err and str(bad) in err
+    bad.write_text("cache: [unclosed\n")
+    assert main(["config", str(bad)]) == 2
+    assert "invalid YAML" in capsys.readouterr().err
+    assert main(["config", str(tmp_path / "missing.yaml")]) == 2

@@ -1,0 +1,176 @@
+"""Radix tree: matching, splitting, insertion, residency, locking, eviction order, keys."""
+
+import pytest
+
+from radix import DEVICE, DISK, HOST, RadixTree, namespace_fingerprint, page_keys
+
+
+def test_match_empty_and_partial_page_not_cached():
+    tree = RadixTree(4)
+    tree.insert(list(range(10)), [0, 1])  # 2 full pages; tokens 8, 9 are a partial page
+    assert tree.pages_in == [2, 0, 0]
+    m = tree.match_prefix(list(range(10)))
+    assert (m.num_pages, m.device_pages, m.host_pages, m.disk_pages) == (2, 2, 0, 0)
+    assert m.device_page_ids() == [0, 1]
+    assert tree.match_prefix([99, 1, 2, 3]).num_pages == 0
+    tree.check_integrity()
+
+
+def test_match_splits_node_at_page_boundary():
+    tree = RadixTree(2)
+    node, dups = tree.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
+    assert dups == [] and node.num_pages == 3
+    m = tree.match_prefix([1, 2, 3, 4, 9, 9])
+    assert m.num_pages == 2 and m.device_page_ids() == [10, 11]
+    assert len(tree.root.children) == 1
+    upper = m.last_node
+    assert upper.num_pages == 2 and list(upper.children.values())[0].loc[0] == [12]
+    # a mismatch inside the first page matches nothing
+    assert tree.match_prefix([1, 3]).num_pages == 0
+    tree.check_integrity()
+
+
+def test_insert_returns_duplicates_and_adopts_missing_tier():
+    tree = RadixTree(2)
+    tree.insert([1, 2, 3, 4], [0, 1])
+    node, dups = tree.insert([1, 2, 3, 4, 5, 6], [7, 8, 2])
+    assert dups == [7, 8]
+    assert tree.path_tokens(node) == (1, 2, 3, 4, 5, 6)
+    # host copies for the existing pages are adopted, not duplicated
+    _, dups = tree.insert([1, 2, 3, 4], [100, 101], tier=HOST)
+    assert dups == []
+    m = tree.match_prefix([1, 2, 3, 4, 5, 6])
+    assert m.device_pages == 3 and [n.loc[1] for n in m.nodes] == [[100, 101], None]
+    tree.check_integrity()
+
+
+def test_tier_split_reported_in_order():
+    tree = RadixTree(1)
+    tree.insert([1, 2, 3], [0, 1, 2])
+    tree.insert([1, 2, 3], [5, 6, 7], tier=HOST)
+    tree.insert([1, 2, 3, 4, 5], [b"%16d" % i for i in range(5)], tier=DISK)
+    node = tree.match_prefix([1, 2, 3], touch=False).last_node
+    assert node.num_pages == 3
+    upper = tree.split(node, 2)
+    assert upper.num_pages == 2 and node.num_pages == 1 and node.parent is upper
+    tree.clear_location(node, DEVICE)  # page 3 now on host and disk only
+    m = tree.match_prefix([1, 2, 3, 4, 5])
+    assert (m.device_pages, m.host_pages, m.disk_pages) == (2, 1, 2)
+    assert [t for _, t in m.segments] == [DEVICE, HOST, DISK]
+    assert m.device_page_ids() == [0, 1]
+    tree.check_integrity()
+
+
+def test_lru_order_and_lock_protection():
+    tree = RadixTree(1)
+    tree.insert([1, 2], [0, 1])
+    tree.insert([1, 2, 3], [0, 1, 2])
+    tree.insert([7], [3])
+    leaf_123 = tree.match_prefix([1, 2, 3], touch=False).last_node
+    leaf_7 = tree.match_prefix([7], touch=False).last_node
+    # [7] was inserted last, so the [3] leaf is the least recently used leaf
+    assert tree.pop_evictable(DEVICE) is leaf_123
+    tree.match_prefix([1, 2, 3])  # touch: now [7] is least recent
+    assert tree.pop_evictable(DEVICE) is leaf_7
+    tree.lock(leaf_7)
+    assert tree.pop_evictable(DEVICE) is leaf_123
+    tree.lock(leaf_123)
+    assert tree.pop_evictable(DEVICE) is None  # parent [1,2] is not a leaf; leaves locked
+    tree.unlock(leaf_7)
+    assert tree.pop_evictable(DEVICE) is leaf_7
+    with pytest.raises(ValueError, match="locked"):
+        tree.clear_location(leaf_123, DEVICE)
+    pages, orphans = tree.clear_location(leaf_7, DEVICE)
+    assert pages == [3] and orphans == [] and leaf_7.parent is None
+    with pytest.raises(ValueError, match="unlock of unlocked"):
+        tree.unlock(leaf_7)
+    tree.check_integrity()
+
+
+def test_parent_cannot_leave_tier_before_children():
+    tree = RadixTree(1)
+    tree.insert([1, 2], [0, 1])
+    tree.insert([1, 5], [0, 9])
+    parent = tree.root.children[(1,)]
+    with pytest.raises(ValueError, match="children in device"):
+        tree.clear_location(parent, DEVICE)
+
+
+def test_node_leaving_last_tier_removes_subtree_and_returns_orphans():
+    tree = RadixTree(1)
+    tree.insert([1], [0])
+    tree.insert([1, 2], [b"x" * 16, b"y" * 16], tier=DISK)
+    top = tree.root.children[(1,)]
+    child = list(top.children.values())[0]
+    assert child.tiers() == [DISK] and top.tiers() == [DEVICE, DISK]
+    tree.clear_location(child, DISK)
+    assert top.children == {}
+    tree.insert([1, 2], [b"x" * 16, b"y" * 16], tier=DISK)
+    tree.clear_location(top, DEVICE)  # allowed: its only child is on disk, not on device
+    with pytest.raises(ValueError, match="children in disk"):
+        tree.clear_location(top, DISK)
+    # a continuation found on disk below a memory-only prefix: the prefix leaves its last tier
+    tree = RadixTree(1)
+    tree.insert([1], [0])
+    top = tree.root.children[(1,)]
+    tree.insert([2, 3], [b"a" * 16, b"b" * 16], tier=DISK, start=top)
+    below = list(top.children.values())[0]
+    pages, orphans = tree.clear_location(top, DEVICE)
+    assert pages == [0] and orphans == [below] and below.loc[2] == [b"a" * 16, b"b" * 16]
+    assert tree.pages_in == [0, 0, 0] and tree.root.children == {}
+    tree.check_integrity()
+
+
+def test_keys_chain_and_namespace():
+    ns1 = namespace_fingerprint({"model": "a", "dtype": "bf16"})
+    ns2 = namespace_fingerprint({"dtype": "bf16", "model": "a"})
+    ns3 = namespace_fingerprint({"model": "a", "dtype": "fp16"})
+    assert ns1 == ns2 != ns3 and len(ns1) == 16
+    keys = page_keys(ns1, list(range(8)), 4)
+    assert len(keys) == 2 and keys[1] == page_keys(keys[0], list(range(4, 8)), 4)[0]
+    assert page_keys(ns3, list(range(8)), 4) != keys
+    tree = RadixTree(4, ns1)
+    node, _ = tree.insert(list(range(9)), [0, 1])
+    assert node.keys == keys
+    # a split keeps the chain
+    tree.match_prefix(list(range(4)) + [0, 0, 0, 0])
+    assert tree.root.children[(0, 1, 2, 3)].keys == keys[:1]
+    tree.check_integrity()
+
+
+def test_integrity_detects_corruption():
+    tree = RadixTree(2)
+    tree.insert([1, 2, 3, 4], [0, 1])
+    tree.insert([5, 6], [1])  # page 1 owned twice
+    with pytest.raises(AssertionError, match="owned twice"):
+        tree.check_integrity()
+    tree = RadixTree(2)
+    node, _ = tree.insert([1, 2], [0])
+    node.tier_children[0] = 3
+    with pytest.raises(AssertionError, match="children in device"):
+        tree.check_integrity()
+    tree = RadixTree(2)
+    node, _ = tree.insert([1, 2], [0])
+    tree.pages_in[1] = 5
+    with pytest.raises(AssertionError, match="page counts"):
+        tree.check_integrity()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="page_size"):
+        RadixTree(0)
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        RadixTree(4, eviction_policy="fifo")
+    tree = RadixTree(2)
+    with pytest.raises(ValueError, match="2 full pages"):
+        tree.insert([1, 2, 3, 4], [0])
+
+
+def test_lfu_prefers_rarely_hit():
+    tree = RadixTree(1, eviction_policy="lfu")
+    tree.insert([1], [0])
+    tree.insert([2], [1])
+    for _ in range(3):
+        tree.match_prefix([1])
+    tree.match_prefix([2])  # most recent but hit once
+    assert tree.pop_evictable(DEVICE) is tree.root.children[(2,)]

@@ -1,0 +1,83 @@
+"""Pools, allocator and page copies between the GPU pool and the host pool (CPU tensors)."""
+
+import pytest
+import torch
+
+from tiers import DevicePool, HostPool, KVLayout, MetadataPool, PageAllocator, PageCopier, make_copier
+from tiers.cuda_copy import _runs
+
+
+def test_allocator_detects_double_free_and_range():
+    a = PageAllocator(4, "t")
+    pages = a.allocate(3)
+    assert pages == [0, 1, 2] and a.free_pages == 1 and a.used_pages == 3
+    assert a.allocate(2) is None and a.free_pages == 1  # all or nothing
+    a.free([1])
+    with pytest.raises(RuntimeError, match="double free of page 1"):
+        a.free([1])
+    with pytest.raises(ValueError, match="out of range"):
+        a.free([7])
+    a.check_integrity([0, 2])
+    with pytest.raises(AssertionError, match="free 2 \\+ owned 1"):
+        a.check_integrity([0])
+    with pytest.raises(AssertionError, match="owned twice"):
+        a.check_integrity([0, 0])
+
+
+def test_allocator_detects_double_allocation():
+    a = PageAllocator(3, "t")
+    a.allocate(1)
+    a._free.append(0)  # corrupt the free list: page 0 is handed out again
+    with pytest.raises(RuntimeError, match="allocated twice"):
+        a.allocate(1)
+
+
+def test_layouts_and_round_trip(layout: KVLayout):
+    dev = DevicePool(layout, 6, torch.float32, "cpu")
+    host = HostPool(layout, 5, torch.float32)
+    assert dev.kv.shape == (2, 2, 6, 4, 2, 4)  # layer-first
+    assert host.buffer.shape == (5, 2, 2, 4, 2, 4)  # page-first
+    assert layout.page_bytes == 2 * 2 * 4 * 2 * 4 * 4 == host.page_view(0).numel()
+    assert host.page_view(3).data_ptr() - host.page_view(0).data_ptr() == 3 * layout.page_bytes
+    data = torch.randn(3, 2, 2, 4, 2, 4)
+    dev.write_pages([5, 0, 3], data)
+    assert torch.equal(dev.read_pages([5, 0, 3]), data)
+    assert torch.equal(dev.kv[1, 0, 0], data[1, 1, 0])  # page 0 = data[1]: layer 1, K
+    copier = make_copier(dev, host)
+    assert type(copier) is PageCopier
+    assert copier.to_host([5, 0, 3], [4, 1, 2]).done()
+    assert torch.equal(host.read_pages([4, 1, 2]), data)
+    dev.kv.zero_()
+    copier.to_device([2, 4], [1, 2]).wait()
+    assert torch.equal(dev.read_pages([1, 2]), data[[2, 0]])
+    with pytest.raises(ValueError, match="2 device pages vs 1 host pages"):
+        copier.to_host([0, 1], [0])
+
+
+def test_metadata_pool_has_ids_only():
+    pool = MetadataPool(3, 100)
+    assert pool.allocate(3) == [0, 1, 2] and pool.used_pages() == 3 and pool.read_pages([0]) is None
+
+
+def test_runs_coalesce_consecutive_pages():
+    assert _runs([3, 4, 5, 9, 10, 2], 8) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert _runs([0, 1, 2, 3], 2) == [(0, 0, 2), (2, 2, 2)]
+    assert _runs([], 4) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_copier_matches_reference():
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, page_size=16, itemsize=2)
+    dev = DevicePool(layout, 64, torch.bfloat16, "cuda")
+    host = HostPool(layout, 64, torch.bfloat16, pin_memory=True)
+    copier = make_copier(dev, host)
+    copier.chunk_pages = 5  # several double-buffered chunks
+    data = torch.randn(20, 3, 2, 16, 2, 64).to(torch.bfloat16)
+    host.write_pages(list(range(20)), data)
+    dev_pages = list(range(63, 43, -1))
+    copier.to_device([0, 1, 2, 3, 10, 11, 12, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 18, 19], dev_pages).wait()
+    order = [0, 1, 2, 3, 10, 11, 12, 4, 5, 6, 7, 8, 9, 13, 14, 15, 16, 17, 18, 19]
+    assert torch.equal(dev.read_pages(dev_pages).cpu(), data[order])
+    copier.to_host(dev_pages, list(range(40, 60))).wait()
+    assert torch.equal(host.read_pages(list(range(40, 60))), data[order])
