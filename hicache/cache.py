@@ -105,15 +105,16 @@ def build_cache(
             from tiers.l3 import L3Store
 
             c = cfg.cache.l3
+            slot_bytes = -(-layout.page_bytes // 4096) * 4096  # slots are 4 KiB aligned
             l3 = L3Store(
-                c.path, sizes.disk_pages * layout.page_bytes, layout.page_bytes, ns,
+                c.path, sizes.disk_pages * slot_bytes, layout.page_bytes, ns,
                 io_backend=c.io_backend, io_threads=c.io_threads, sync_batch_pages=c.sync_batch_pages,
                 admission_hits=c.admission_hits,
             )
             worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=c.sync_batch_pages)
     controller = TierController(
         tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost_model(cfg, layout, prefill_tokens_per_s),
-        worker, sizes.disk_pages if l3 is not None else None,
+        worker, min(sizes.disk_pages, l3.capacity_pages) if l3 is not None else None,
     )
     logger.info(
         "cache: page %d tokens x %d bytes; device %d pages, host %d pages, disk %d pages",
