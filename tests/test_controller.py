@@ -24,7 +24,7 @@ def page_value(tokens: tuple[int, ...], page: int) -> float:
 class Harness:
     """A controller on tiny CPU pools, with an engine stand-in that computes 'KV' deterministically."""
 
-    def __init__(self, device=4, host=8, disk=16, policy=WritePolicy(), cost=None, l3=None):
+    def __init__(self, device=4, host=8, disk=16, policy=None, cost=None, l3=None):
         self.dev = DevicePool(LAYOUT, device, torch.float32, "cpu")
         self.host = HostPool(LAYOUT, host, torch.float32) if host else None
         self.l3 = l3 if l3 is not None else (MemoryL3(disk, LAYOUT.page_bytes) if disk else None)

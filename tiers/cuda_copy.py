@@ -1,10 +1,15 @@
 """Page copies between the layer-first GPU pool and the page-first pinned host pool on CUDA streams.
 
-Promotion (host -> GPU): whole host pages (contiguous, page-first) are copied over PCIe into a GPU
-staging buffer, runs of consecutive host pages as one copy; a second stream scatters each staged
-chunk into the layer-first pool. Demotion (GPU -> host) is the mirror: gather into staging, then
-copy out. Chunks are double-buffered so the GPU-side gather/scatter of one chunk overlaps the PCIe
-copy of the next; streams are ordered with events, never with host synchronisation.
+Two ways to move a batch of non-contiguous pages, chosen by page size:
+- "dma" (large pages): whole host pages (contiguous, page-first) are copied by the copy engines
+  into a GPU staging buffer, runs of consecutive host pages as one copy; a second stream scatters
+  each staged chunk into the layer-first pool. Demotion is the mirror: gather into staging, then
+  copy out. Chunks are double-buffered so the GPU-side gather/scatter of one chunk overlaps the
+  PCIe copy of the next; streams are ordered with events, never with host synchronisation.
+- "zero_copy" (small pages, where one copy per page would be dominated by launch overhead): the
+  pinned host pool is mapped into the GPU's address space (unified addressing) and one gather /
+  scatter kernel reads or writes host memory over PCIe directly. Needs CuPy to wrap the mapped
+  pointer as a CUDA tensor; without it the "dma" path is used.
 """
 
 from __future__ import annotations
@@ -17,6 +22,24 @@ from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
 
 STAGING_BYTES = 64 << 20  # per staging buffer; two of them
+ZERO_COPY_MAX_PAGE_BYTES = 1 << 20  # below this page size the mapped-memory kernels win (bench/transfer_bench.py)
+
+
+def map_host_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor aliasing pinned host `tensor` through unified addressing, or None if unavailable."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    try:
+        nbytes = tensor.numel() * tensor.element_size()
+        with cupy.cuda.Device(device.index or 0):
+            mem = cupy.cuda.UnownedMemory(tensor.data_ptr(), nbytes, tensor, device_id=device.index or 0)
+            array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+            alias = torch.as_tensor(array, device=device)
+        return alias.view(tensor.dtype).view(tensor.shape)
+    except Exception:  # noqa: BLE001 - any failure means: no mapping, use the DMA path
+        return None
 
 
 class CudaTransfer:
@@ -52,12 +75,21 @@ def _runs(pages: Sequence[int], limit: int) -> list[tuple[int, int, int]]:
 class CudaPageCopier:
     """Double-buffered, two-stream page copier; see the module docstring."""
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, staging_bytes: int = STAGING_BYTES):
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, staging_bytes: int = STAGING_BYTES,
+                 mode: str = "auto"):
         if not host_pool.pinned:
             raise ValueError("CudaPageCopier needs a pinned host pool")
+        if mode not in ("auto", "dma", "zero_copy"):
+            raise ValueError(f"copier mode {mode!r}; choices: auto, dma, zero_copy")
         self.device_pool = device_pool
         self.host_pool = host_pool
         layout = device_pool.layout
+        self.host_alias = None
+        if mode == "zero_copy" or (mode == "auto" and layout.page_bytes < ZERO_COPY_MAX_PAGE_BYTES):
+            self.host_alias = map_host_tensor(host_pool.buffer, device_pool.device)
+            if self.host_alias is None and mode == "zero_copy":
+                raise RuntimeError("zero_copy copier: cannot map the host pool into GPU memory (needs CuPy)")
+        self.mode = "zero_copy" if self.host_alias is not None else "dma"
         self.chunk_pages = max(1, staging_bytes // layout.page_bytes)
         shape = (self.chunk_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
         device = device_pool.device
@@ -67,6 +99,10 @@ class CudaPageCopier:
         self.staging_free = [torch.cuda.Event() for _ in range(2)]
         for ev in self.staging_free:
             ev.record(self.shuffle_stream)
+
+    def _index(self, pages: Sequence[int]) -> torch.Tensor:
+        index = torch.as_tensor(list(pages), dtype=torch.long).pin_memory()
+        return index.to(self.device_pool.device, non_blocking=True)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(s, min(n, s + self.chunk_pages)) for s in range(0, n, self.chunk_pages)]
@@ -79,8 +115,15 @@ class CudaPageCopier:
         compute = torch.cuda.current_stream()
         self.copy_stream.wait_stream(compute)  # pages being overwritten may still be read by compute
         self.shuffle_stream.wait_stream(compute)
-        dev_index = torch.as_tensor(list(device_pages), dtype=torch.long).pin_memory()
-        dev_index = dev_index.to(self.device_pool.device, non_blocking=True)
+        dev_index = self._index(device_pages)
+        if self.host_alias is not None:
+            host_index = self._index(host_pages)
+            with torch.cuda.stream(self.copy_stream):
+                pages = self.host_alias.index_select(0, host_index)  # kernel reads host memory over PCIe
+                kv.index_copy_(2, dev_index, pages.permute(1, 2, 0, 3, 4, 5))
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+            return CudaTransfer(done)
         for k, (start, end) in enumerate(self._chunks(len(host_pages))):
             buf = k % 2
             staging = self.staging[buf]
@@ -105,8 +148,16 @@ class CudaPageCopier:
         kv, host = self.device_pool.kv, self.host_pool.buffer
         compute = torch.cuda.current_stream()
         self.shuffle_stream.wait_stream(compute)  # the KV being saved was written by compute
-        dev_index = torch.as_tensor(list(device_pages), dtype=torch.long).pin_memory()
-        dev_index = dev_index.to(self.device_pool.device, non_blocking=True)
+        self.copy_stream.wait_stream(compute)
+        dev_index = self._index(device_pages)
+        if self.host_alias is not None:
+            host_index = self._index(host_pages)
+            with torch.cuda.stream(self.copy_stream):
+                pages = kv.index_select(2, dev_index).permute(2, 0, 1, 3, 4, 5)
+                self.host_alias.index_copy_(0, host_index, pages)  # kernel writes host memory over PCIe
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+            return CudaTransfer(done)
         for k, (start, end) in enumerate(self._chunks(len(device_pages))):
             buf = k % 2
             staging = self.staging[buf]
