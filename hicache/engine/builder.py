@@ -1,0 +1,82 @@
+"""Build an Engine from a Config: device and dtype, the model, the prefill-speed calibration, the cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from hicache.cache import TORCH_DTYPES, build_cache, namespace_fields
+from hicache.config import Config
+from hicache.engine.engine import Engine
+from hicache.engine.model import ForwardBatch
+from hicache.engine.weights import load_model
+from hicache.modelinfo import resolve_device, resolve_dtype
+from tiers import KVLayout
+
+logger = logging.getLogger(__name__)
+
+
+def calibrate_prefill(model: Any, page_size: int, budget_s: float = 0.5) -> float:
+    """Prefill tokens per second of `model`, from a timed prefill into a scratch KV pool.
+
+    A 32-token warm-up sizes the timed run to take about budget_s / 2 (64 to 512 tokens).
+    """
+    device = model.device
+
+    def run(n: int) -> float:
+        pages = -(-n // page_size)
+        kv = torch.zeros(model.kv_pool_shape(pages, page_size), dtype=model.dtype, device=device)
+        batch = ForwardBatch(
+            input_ids=torch.randint(0, model.config.vocab_size, (n,), device=device),
+            positions=torch.arange(n, device=device),
+            out_slots=torch.arange(n, device=device),
+            seq_lens=[n],
+            new_lens=[n],
+            page_tables=[torch.arange(pages, device=device)],
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        model(batch, kv, page_size)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    run(32)
+    warm = run(32)
+    n = int(min(512, max(64, 32 * (budget_s / 2) / max(warm, 1e-6))))
+    return n / run(n)
+
+
+def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrate: bool = True) -> Engine:
+    """Load the model (unless given, e.g. shared between engines in tests) and assemble the cache and engine.
+
+    The prefill speed for the load-or-recompute cost model comes from cache.load_policy when set;
+    otherwise, in auto mode with `calibrate`, from a timed prefill; otherwise None (loading counts as free).
+    """
+    device = resolve_device(cfg.model.device)
+    dtype_name = resolve_dtype(cfg.model.dtype, cfg.model.device)
+    dtype = TORCH_DTYPES[dtype_name]
+    if model is None or tokenizer is None:
+        model, tokenizer = load_model(cfg.model.name, dtype, device)
+    elif model.dtype != dtype or model.device.type != device.type:
+        raise ValueError(f"the given model is {model.dtype} on {model.device}; the config asks {dtype} on {device}")
+    c = model.config
+    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, cfg.cache.page_size, dtype.itemsize)
+    fields = model.fingerprint_fields()
+    revision = cfg.model.revision or str(fields.get("revision", ""))
+    namespace = {
+        **namespace_fields(str(fields["model"]), revision, dtype_name, layout, cfg.model.tp_rank),
+        **fields,
+        "revision": revision,
+    }
+    speed = None
+    lp = cfg.cache.load_policy
+    if lp.prefill_tokens_per_s is None and lp.mode == "auto" and calibrate:
+        speed = calibrate_prefill(model, cfg.cache.page_size)
+        logger.info("calibrated prefill speed: %.0f tokens/s", speed)
+    cache = build_cache(cfg, layout, dtype_name, device, namespace, prefill_tokens_per_s=speed)
+    return Engine(model, tokenizer, cache, cfg.scheduler)

@@ -1,0 +1,235 @@
+"""The engine: requests in, per-step incremental outputs out, over the scheduler, the model and the cache.
+
+`Engine.step()` plans a batch (scheduler), runs one forward over the shared GPU KV pool, samples the
+requests whose prompt is fully computed, applies stop conditions and reports what changed. Not thread
+safe: drive it from one thread (see hicache.engine.runner for a background-thread runner).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache.config import SchedulerConfig
+from hicache.engine.model import ForwardBatch
+from hicache.engine.params import SamplingParams
+from hicache.engine.request import Request, Status, StepOutput
+from hicache.engine.sampling import make_generator, sample
+from hicache.engine.scheduler import Scheduler, sync_ticket
+
+logger = logging.getLogger(__name__)
+
+
+def find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
+    """Index of the earliest stop string in text[start:], or None."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+class Engine:
+    """Continuous-batching generation over a CacheStack; every tree/controller call happens in step()."""
+
+    def __init__(self, model: Any, tokenizer: Any, cache: Any, config: SchedulerConfig | None = None):
+        config = config or SchedulerConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.ctrl = cache.controller
+        self.kv = self.ctrl.device.kv
+        self.page_size = cache.layout.page_size
+        self.device = model.device
+        self.config = config
+        self.scheduler = Scheduler(self.ctrl, config.max_running_requests, config.chunk_tokens)
+        limit = model.config.max_position_embeddings
+        self.max_context = min(config.max_context_tokens or limit, limit)
+        self.eos_ids = set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[StepOutput] = []  # errors found at add_request, reported by the next step
+        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0}
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: Any = None) -> None:
+        """Queue a request. Bad prompts or limits do not raise: the next step() reports an "error" output.
+
+        Raises ValueError only for a request id already in use or invalid sampling parameters.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = SamplingParams.of(sampling_params)
+        prompt = [int(t) for t in prompt_token_ids]
+        max_tokens = min(params.max_tokens or self.config.default_max_tokens, max(self.max_context - len(prompt), 1))
+        req = Request(request_id, len(prompt), prompt, params, max_tokens)
+        error = self._check(req)
+        if error is not None:
+            req.status, req.finish_reason, req.error = Status.FINISHED, "error", error
+            self._pending.append(self._output(req))
+            return
+        req.generator = make_generator(params, self.device)
+        req.detokenizer = self.tokenizer.detokenizer()
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _check(self, req: Request) -> str | None:
+        n = req.prompt_len
+        if n == 0:
+            return "the prompt is empty"
+        vocab = self.model.config.vocab_size
+        if min(req.token_ids) < 0 or max(req.token_ids) >= vocab:
+            return f"prompt token ids must be in [0, {vocab})"
+        if n >= self.max_context:
+            return f"the prompt has {n} tokens; the context limit is {self.max_context}"
+        # the last token's KV is never computed: prompt + max_tokens - 1 slots at most
+        need = -(-(n + req.max_tokens - 1) // self.page_size)
+        have = self.ctrl.device.capacity_pages
+        if need > have:
+            return (
+                f"the request needs {need} GPU pages (prompt {n} + max_tokens {req.max_tokens} tokens, "
+                f"{self.page_size} per page) but the GPU pool has only {have}"
+            )
+        return None
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Stop a request and free its pages; returns its final output (None for an unknown id)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        req.finish_reason = "abort"
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._pending or self.scheduler.has_work())
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduling step and forward; returns outputs of requests that produced tokens or ended."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if not plan:
+            return outputs
+        for req, _ in plan:
+            if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream
+                sync_ticket(req.ticket, self.ctrl.tree.root)
+                self.ctrl.stream_wait(req.ticket)
+                req.needs_stream_wait = False
+        start = time.perf_counter()
+        logits = self._forward(plan)
+        self.scheduler.advance(plan)
+        rows = [i for i, (req, _) in enumerate(plan) if req.computed == len(req.token_ids)]
+        reqs = [plan[i][0] for i in rows]
+        chosen = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs]).tolist() if rows else []
+        self.counters["forward_s"] += time.perf_counter() - start
+        self.counters["steps"] += 1
+        for req, n in plan:
+            self.counters["decode_tokens" if n == 1 and req.num_output else "prefill_tokens"] += n
+        for req, token in zip(reqs, chosen):
+            self._append(req, token)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _forward(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
+        ps = self.page_size
+        ids: list[int] = []
+        positions, slots, tables = [], [], []
+        for req, n in plan:
+            start = req.computed
+            ids.extend(req.token_ids[start : start + n])
+            table = torch.tensor(req.pages[: -(-(start + n) // ps)], dtype=torch.int64)
+            pos = torch.arange(start, start + n)
+            positions.append(pos)
+            slots.append(table[pos // ps] * ps + pos % ps)  # flat slot of each new token
+            tables.append(table.to(self.device))
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            positions=torch.cat(positions).to(self.device),
+            out_slots=torch.cat(slots).to(self.device),
+            seq_lens=[req.computed + n for req, n in plan],
+            new_lens=[n for _, n in plan],
+            page_tables=tables,
+        )
+        return self.model(batch, self.kv, ps)
+
+    def _append(self, req: Request, token: int) -> None:
+        """Add a sampled token; finish the request on a stop condition."""
+        req.token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            self._finish(req, "stop")
+        elif self._add_text(req, req.detokenizer.push([token])):
+            self._finish(req, "stop", flush=False)
+        elif req.num_output >= req.max_tokens or len(req.token_ids) >= self.max_context:
+            self._finish(req, "length")
+
+    def _add_text(self, req: Request, delta: str) -> bool:
+        """Append decoded text; True (text trimmed before it) if it completed a stop string."""
+        if not delta:
+            return False
+        stops = req.params.stop
+        start = max(0, len(req.text) - max(map(len, stops), default=0) + 1)
+        req.text += delta
+        hit = find_stop(req.text, stops, start) if stops else None
+        if hit is None:
+            return False
+        req.text = req.text[:hit]
+        return True
+
+    def _finish(self, req: Request, reason: str, flush: bool = True) -> None:
+        if flush and self._add_text(req, req.detokenizer.flush()):
+            reason = "stop"
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.counters["finished"] += 1
+
+    def _output(self, req: Request) -> StepOutput:
+        """The tokens and text of req not reported yet; text that may begin a stop string is held back."""
+        new_ids = req.output_ids[req.sent_tokens :]
+        hold = max(map(len, req.params.stop), default=1) - 1
+        end = len(req.text) if req.finished else max(req.sent_chars, len(req.text) - hold)
+        delta = req.text[req.sent_chars : end]
+        req.sent_tokens += len(new_ids)
+        req.sent_chars = end
+        return StepOutput(
+            req.request_id,
+            new_ids,
+            delta,
+            req.finished,
+            req.finish_reason,
+            req.usage(),
+            req.error,
+            req.ttft(),
+        )
+
+    # ------------------------------------------------------------------ inspection
+
+    def stats(self) -> dict[str, Any]:
+        """Cache counters, tier usage, cost model, queue depth and request counts (call on the engine thread)."""
+        s = self.scheduler
+        return {
+            "requests": {"waiting": len(s.waiting), "loading": len(s.loading), "running": len(s.running)},
+            "queue_depth": len(s.waiting) + len(s.loading),
+            "preemptions": s.preemptions,
+            "engine": dict(self.counters),
+            "cache": self.ctrl.stats.snapshot(),
+            "tiers": self.ctrl.usage(),
+            "cost_model": self.ctrl.cost.describe(),
+        }
+
+    def close(self) -> None:
+        """Abort what is left and close the cache stack (finishes queued L3 writes)."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        while self.scheduler.draining:
+            self.ctrl.poll()
+            self.scheduler.settle()
+            if self.scheduler.draining:
+                time.sleep(0.001)
+        self.cache.close()

@@ -1,0 +1,213 @@
+"""Continuous batching over the tier controller: admission, chunked prefill, batched decode, preemption.
+
+Each step the scheduler (1) applies finished I/O (`poll`) and moves requests whose cached prefix has
+reached the GPU from LOADING to RUNNING, (2) admits waiting requests while the prefill backlog is below
+one step's token budget, and (3) plans the step: one token for every decoding request, then prefill
+chunks (oldest first) within `chunk_tokens`. New KV goes into private pages from `alloc_device`; when
+none are left the most recently admitted request is preempted (its full pages committed, so its prefix
+stays cached and a re-admission hits it). Full pages are committed as soon as they are computed.
+All methods run on the engine thread.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from hicache.engine.request import Request, Status
+
+logger = logging.getLogger(__name__)
+
+
+def sync_ticket(ticket: Any, root: Any) -> None:
+    """Rebuild ticket.nodes as the path root -> ticket.node.
+
+    A node on a locked path can be split by another request's match; the split inserts a new upper node
+    that an earlier list of nodes does not contain. The deepest node stays valid, so walk up from it.
+    """
+    path = []
+    node = ticket.node
+    while node is not root and node is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    ticket.nodes = path
+
+
+class Scheduler:
+    """Owns the request queues and every page a request holds; see the module doc."""
+
+    def __init__(self, controller: Any, max_running: int, chunk_tokens: int):
+        self.ctrl = controller
+        self.page_size = controller.page_size
+        self.max_running = max_running
+        self.chunk_tokens = chunk_tokens
+        self.waiting: list[Request] = []  # by arrival; preempted requests go back to their place
+        self.loading: list[Request] = []
+        self.running: list[Request] = []  # by admission order
+        self.draining: list[Request] = []  # aborted while loading: released once their loads settle
+        self._admissions = itertools.count()
+        self._starved = False  # the last plan ran out of GPU pages: admit nothing new
+        self.preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+
+    def add(self, req: Request) -> None:
+        """Queue a new request."""
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.loading or self.running or self.draining)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the scheduler (finish or abort), committing and freeing its pages."""
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        elif req.status is Status.LOADING:
+            self.loading.remove(req)
+            if req.ticket.ready():
+                self.ctrl.release(req.ticket)
+            else:  # its pages are still being written by a copy: keep the lock until that settles
+                self.draining.append(req)
+        elif req.status is Status.RUNNING:
+            self.running.remove(req)
+            self._commit(req)
+            self._drop_pages(req)
+        req.status = Status.FINISHED
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Poll I/O, admit, and plan this step: (request, new tokens) pairs, pages allocated."""
+        self.ctrl.poll()
+        self.settle()
+        self._admit()
+        return self._plan()
+
+    def advance(self, plan: Sequence[tuple[Request, int]]) -> None:
+        """After the forward: the planned tokens' KV is in the pages; commit the pages that filled."""
+        for req, n in plan:
+            req.computed += n
+            self._commit(req)
+
+    def settle(self) -> None:
+        """Move requests whose loads finished to RUNNING; retry failed loads; release drained aborts."""
+        for req in list(self.loading):
+            if req.ticket.failed:  # an L3 read failed verification: the controller drops those pages
+                self.loading.remove(req)
+                self.ctrl.release(req.ticket)
+                req.ticket = None
+                self._acquire(req)
+            elif req.ticket.ready():
+                self.loading.remove(req)
+                self._start(req)
+        for req in list(self.draining):
+            if req.ticket.ready():
+                self.draining.remove(req)
+                self.ctrl.release(req.ticket)
+
+    def _admit(self) -> None:
+        backlog = sum(len(r.token_ids) - r.computed - 1 for r in self.running + self.loading)
+        while self.waiting and len(self.running) + len(self.loading) < self.max_running:
+            if backlog >= self.chunk_tokens or (self._starved and (self.running or self.loading)):
+                break
+            req = self.waiting.pop(0)
+            req.admitted_seq = next(self._admissions)
+            self._acquire(req)
+            backlog += len(req.token_ids) - req.computed - 1
+
+    def _acquire(self, req: Request) -> None:
+        """Claim the cached prefix (at least one token is left to compute, for the logits)."""
+        ps = self.page_size
+        ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps)
+        req.ticket = ticket
+        req.pages = ticket.device_pages()
+        req.committed_pages = ticket.num_pages
+        req.computed = ticket.num_pages * ps  # tokens [0, computed) are cached
+        req.needs_stream_wait = any(tier != "device" for tier in ticket.hit_pages)
+        if req.cached_tokens is None or req.status is Status.LOADING:  # first admission (or its retry)
+            req.cached_tokens = {tier: pages * ps for tier, pages in ticket.hit_pages.items()}
+        if ticket.ready() and not ticket.failed:
+            self._start(req)
+        else:
+            req.status = Status.LOADING
+            self.loading.append(req)
+
+    def _start(self, req: Request) -> None:
+        req.status = Status.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.admitted_seq)
+
+    def _plan(self) -> list[tuple[Request, int]]:
+        self._starved = False
+        plan: dict[Request, int] = {}
+        for req in list(self.running):  # decodes: one token each, oldest first
+            if req.status is Status.RUNNING and len(req.token_ids) - req.computed == 1 and self._reserve(req, 1, plan):
+                plan[req] = 1
+        budget = self.chunk_tokens - len(plan)
+        for req in list(self.running):  # prefill chunks within the budget, oldest first
+            remaining = len(req.token_ids) - req.computed
+            if req.status is not Status.RUNNING or req in plan or remaining <= 1:
+                continue
+            if budget <= 0:
+                break
+            n = min(remaining, budget)
+            if self._reserve(req, n, plan):
+                plan[req] = n
+                budget -= n
+            elif req.status is Status.RUNNING:
+                break  # stalled for pages: newer requests would not get any either
+        return list(plan.items())
+
+    def _reserve(self, req: Request, n: int, plan: dict[Request, int]) -> bool:
+        """Give req GPU pages for n more tokens, preempting newer requests if needed; False if it can't run."""
+        ps = self.page_size
+        need = -(-(req.computed + n) // ps) - len(req.pages)
+        if need <= 0:
+            return True
+        while True:
+            pages = self.ctrl.alloc_device(need)
+            if pages is not None:
+                req.pages.extend(pages)
+                return True
+            self._starved = True
+            newest = self.running[-1]
+            if newest is req:
+                if len(self.running) > 1:  # older requests will finish and free pages; let them
+                    self.preempt(req)
+                return False  # alone (pages held by loads or L3 writes in flight): wait a step
+            self.preempt(newest)
+            plan.pop(newest, None)
+
+    # ------------------------------------------------------------------ pages
+
+    def preempt(self, req: Request) -> None:
+        """Send a running request back to the waiting queue, keeping its full pages cached."""
+        logger.debug("preempting %s at %d tokens", req.request_id, req.computed)
+        self.running.remove(req)
+        self._commit(req)
+        self._drop_pages(req)
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+
+    def _commit(self, req: Request) -> None:
+        """Insert req's newly filled pages into the tree; adopt the canonical page ids it returns."""
+        full = req.computed // self.page_size
+        if full <= req.committed_pages:
+            return
+        sync_ticket(req.ticket, self.ctrl.tree.root)
+        canonical = self.ctrl.commit(req.ticket, req.token_ids[: full * self.page_size], req.pages[:full])
+        req.pages[:full] = canonical
+        req.committed_pages = full
+
+    def _drop_pages(self, req: Request) -> None:
+        """Release the ticket and free the private pages (the partial page and any reserved ahead)."""
+        self.ctrl.release(req.ticket)
+        self.ctrl.free_device(req.pages[req.committed_pages :])
+        req.ticket = None
+        req.pages = []
+        req.computed = req.committed_pages = 0
