@@ -10,11 +10,17 @@ signature.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN's SDPA builds a new execution plan for every new shape (1 ms of host time per call, and decode
+# shapes change every step), so CUDA runs use flash / memory-efficient attention instead
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -49,8 +55,8 @@ def plan_attention(
     for seq_len, new_len, page_table in zip(seq_lens, new_lens, page_tables):
         if new_len > seq_len or page_table.numel() * page_size < seq_len:
             raise ValueError(
-                f"sequence with seq_len={seq_len}, new_len={new_len} has {page_table.numel()} pages "
-                f"of {page_size}"
+                f"sequence with seq_len={seq_len}, new_len={new_len} has "
+                f"{page_table.numel()} pages of {page_size}"
             )
         slots = slots_of(page_table.to(device), seq_len, page_size)
         end = start + new_len
@@ -93,15 +99,23 @@ def paged_attention(
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; kv_layer: [2, num_pages, page_size,
     num_kv_heads, head_dim], a view into the pool (written in place). Returns [T, num_heads, head_dim].
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_pool = kv_layer[0].view(-1, num_kv_heads, head_dim)
     v_pool = kv_layer[1].view(-1, num_kv_heads, head_dim)
     k_pool[out_slots] = k
     v_pool[out_slots] = v
     out = torch.empty_like(q)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
+        _attend(q, k, v, k_pool, v_pool, plan, out)
+    return out
 
+
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, plan: AttentionPlan, out: Tensor
+) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
     if plan.decode_rows.numel():
         # one query per sequence: the query heads of a KV group act as `group` queries on its keys
         num_decode = plan.decode_rows.numel()
@@ -123,4 +137,3 @@ def paged_attention(
             v_seq = v_seq.repeat_interleave(group, dim=0)
         o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=mask, is_causal=mask is None)
         out[start:end] = o_seq.transpose(0, 1)
-    return out

@@ -65,7 +65,7 @@ SMALL = dict(
 
 
 def hf_and_ours(tmp_path: Path, kind: str, device: str = "cpu"):
-    """A small random HF model of `kind` (llama, llama3, qwen2, tied) and ours loaded from its save_pretrained."""
+    """A small random HF model of `kind` (llama, llama3, qwen2, tied) and ours loaded from its saved dir."""
     import transformers
 
     torch.manual_seed(0)
