@@ -1,0 +1,161 @@
+"""Replay through the real controller against an independent per-tier LRU reference model."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import pytest
+
+from controller import WritePolicy
+from hicache.replay.core import Replayer, ReplayError, ReplaySetup
+from hicache.replay.trace import TraceRecord
+
+TIERS = ("device", "host", "disk")
+WRITE_THROUGH = WritePolicy("write_through", "write_through")
+
+
+class ReferenceLRU:
+    """Write-through + LRU as the docs state it, one OrderedDict per tier (oldest first).
+
+    A hit walks the blocks in order, credits each to the fastest tier holding it and stops at the
+    first block no tier holds. Then every block of the request goes to every tier, touched last to
+    first (the first block ends most recent), and each tier keeps its most recent blocks.
+    """
+
+    def __init__(self, capacities: dict[str, int]):
+        self.capacity = {t: c for t, c in capacities.items() if c > 0}
+        self.tiers = {t: OrderedDict() for t in self.capacity}
+
+    def request(self, ids: list[int]) -> list[str]:
+        ids = ids[: self.capacity["device"]]  # a request uses at most the whole GPU tier
+        hits = []
+        for x in ids:
+            tier = next((t for t in TIERS if t in self.tiers and x in self.tiers[t]), None)
+            if tier is None:
+                break
+            hits.append(tier)
+        for x in reversed(ids):
+            for blocks in self.tiers.values():
+                blocks[x] = None
+                blocks.move_to_end(x)
+        for t, blocks in self.tiers.items():
+            while len(blocks) > self.capacity[t]:
+                blocks.popitem(last=False)
+        return hits
+
+
+def random_trace(rng: random.Random, requests: int, max_len: int) -> list[list[int]]:
+    """Prefix-chained id lists: a random cut of an earlier request plus fresh blocks."""
+    out: list[list[int]] = []
+    next_id = 0
+    for _ in range(requests):
+        prefix: list[int] = []
+        if out and rng.random() < 0.8:
+            base = rng.choice(out[-20:] if rng.random() < 0.7 else out)
+            prefix = base[: rng.randint(0, len(base))]
+        fresh = rng.randint(0 if prefix else 1, max(1, max_len - len(prefix)))
+        ids = prefix + list(range(next_id, next_id + fresh))
+        next_id += fresh
+        out.append(ids[:max_len])
+    return out
+
+
+def records(traces: list[list[int]], block_tokens: int = 4) -> list[TraceRecord]:
+    return [TraceRecord(float(i), len(ids) * block_tokens, 1, ids, i + 1) for i, ids in enumerate(traces)]
+
+
+def compare(caps: dict[str, int], trace: list[list[int]], policy: str = "lru", residency: bool = True) -> None:
+    setup = ReplaySetup(4, caps["device"], caps["host"], caps["disk"], block_bytes=64,
+                        write_policy=WRITE_THROUGH, eviction_policy=policy)
+    rep = Replayer(setup)
+    ref = ReferenceLRU(caps)
+    for i, rec in enumerate(records(trace)):
+        out = rep.step(rec)
+        want = ref.request(rec.hash_ids)
+        got_hits = {t: n for t, n in out.hit_blocks.items() if n}
+        want_hits = {t: want.count(t) for t in TIERS if want.count(t)}
+        assert got_hits == want_hits, f"request {i} {rec.hash_ids}: hits {got_hits} != reference {want_hits}"
+        assert out.disk_hit_positions == [p for p, t in enumerate(want) if t == "disk"]
+        rep.check_integrity()
+        got = rep.residency()
+        for t in TIERS if residency else ():
+            assert got[t] == set(ref.tiers.get(t, ())), f"request {i}: {t} holds {sorted(got[t])}"
+
+
+CAPACITIES = [
+    {"device": 6, "host": 12, "disk": 30},
+    {"device": 10, "host": 10, "disk": 10},
+    {"device": 8, "host": 20, "disk": 0},
+    {"device": 16, "host": 0, "disk": 0},
+    {"device": 6, "host": 9, "disk": 25},
+]
+
+
+@pytest.mark.parametrize("caps", CAPACITIES, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("seed", range(6))
+def test_write_through_lru_matches_reference(caps: dict[str, int], seed: int) -> None:
+    rng = random.Random(seed * 1000 + sum(caps.values()))
+    max_len = min(c for c in caps.values() if c)  # every request fits every tier
+    compare(caps, random_trace(rng, 120, max_len))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_requests_longer_than_gpu_match_reference(seed: int) -> None:
+    """GPU only: a request keeps (and hits at most) its first device-capacity blocks."""
+    compare({"device": 8, "host": 0, "disk": 0}, random_trace(random.Random(seed), 120, 14))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_host_smaller_than_gpu_hits_match_reference(seed: int) -> None:
+    """Host < GPU: hit counts agree; host contents differ (a GPU hit is not copied to host again)."""
+    compare({"device": 12, "host": 6, "disk": 20}, random_trace(random.Random(seed), 120, 6), residency=False)
+
+
+def test_hand_built_trace_known_answers() -> None:
+    """Device 4 blocks, host 5, disk 8; write_through + LRU; answers worked out by hand."""
+    setup = ReplaySetup(4, 4, 5, 8, block_bytes=64, write_policy=WRITE_THROUGH)
+    rep = Replayer(setup)
+    trace = [
+        [1, 2, 3],  # cold: every tier holds 1 2 3
+        [1, 2, 3],  # all on device
+        [4, 5, 6],  # cold; recency 4 5 6 1 2 3: device 4 5 6 1, host 4 5 6 1 2, disk all six
+        [1, 2, 3, 7],  # 1 device, 2 host, 3 disk, 7 new; device 1 2 3 7, host 1 2 3 7 4, disk all
+        [4, 5, 6],  # 4 host, 5 6 disk
+    ]
+    expect = [{}, {"device": 3}, {}, {"device": 1, "host": 1, "disk": 1}, {"host": 1, "disk": 2}]
+    for rec, want in zip(records(trace), expect):
+        out = rep.step(rec)
+        assert {t: n for t, n in out.hit_blocks.items() if n} == want
+        assert sum(out.hit_tokens.values()) == 4 * sum(want.values())
+        rep.check_integrity()
+    assert rep.residency() == {"device": {4, 5, 6, 1}, "host": {4, 5, 6, 1, 2}, "disk": {1, 2, 3, 4, 5, 6, 7}}
+    t = rep.totals
+    assert (t.requests, t.blocks) == (5, 16)
+    assert t.hit_blocks == {"device": 4, "host": 2, "disk": 3}
+    assert t.requests_with_disk_hit == 2
+    assert rep.store.pages_read == 3 and rep.store.pages_written == 7
+
+
+def test_partial_last_block_tokens() -> None:
+    rep = Replayer(ReplaySetup(4, 8))
+    rep.step(TraceRecord(0.0, 10, 1, [1, 2, 3], 1))  # blocks of 4, 4, 2 tokens
+    out = rep.step(TraceRecord(1.0, 10, 1, [1, 2, 3], 2))
+    assert out.hit_blocks["device"] == 3 and out.hit_tokens["device"] == 10
+
+
+def test_request_longer_than_gpu_caches_leading_blocks() -> None:
+    rep = Replayer(ReplaySetup(4, 4, 0, 0))
+    out = rep.step(TraceRecord(0.0, 24, 1, [1, 2, 3, 4, 5, 6], 1))
+    assert out.not_cached == 2
+    assert rep.residency()["device"] == {1, 2, 3, 4}
+    out = rep.step(TraceRecord(1.0, 24, 1, [1, 2, 3, 4, 5, 6], 2))
+    assert out.hit_blocks["device"] == 4 and out.not_cached == 2
+    rep.check_integrity()
+
+
+def test_disk_without_host_is_refused() -> None:
+    with pytest.raises(ReplayError, match="host tier"):
+        Replayer(ReplaySetup(512, 10, 0, 100))
+    with pytest.raises(ReplayError, match="GPU tier"):
+        Replayer(ReplaySetup(512, 0, 10, 0))
