@@ -154,10 +154,14 @@ class TierController:
     def _probe(self, tokens: Sequence[int], node: TreeNode, start: int, end: int) -> int:
         """Probe L3 for pages [start, end) of tokens (chained from node); attach the leading hits."""
         ps = self.page_size
-        keys = page_keys(self.tree.last_key(node), tokens[start * ps : end * ps], ps)
+        keys: list[bytes] = []
         found, batch = 0, 1
-        while found < len(keys):  # a miss ends the chain, so probe in growing batches
-            chunk = keys[found : found + batch]
+        while found < end - start:  # a miss ends the chain, so probe (and hash) in growing batches
+            prev = keys[-1] if keys else self.tree.last_key(node)
+            # pages [start + found, start + found + batch) of tokens
+            lo, hi = (start + found) * ps, min(start + found + batch, end) * ps
+            chunk = page_keys(prev, tokens[lo:hi], ps)
+            keys.extend(chunk)
             hits = self.l3.contains(chunk)
             run = next((i for i, h in enumerate(hits) if not h), len(hits))
             found += run
