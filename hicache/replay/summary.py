@@ -1,0 +1,211 @@
+"""Figures of a replay: hit rates per tier, disk traffic, reuse distances, bandwidth, time saved, sizing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.replay.core import ReplaySetup, ReplayTotals
+from hicache.replay.reuse import ReuseProfile
+from radix import TIERS
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """The prefill cost model of the analysis; `assumed` names the values that are defaults."""
+
+    prefill_tokens_per_s: float
+    host_to_device_bytes_per_s: float
+    disk_to_device_bytes_per_s: float
+    assumed: tuple[str, ...] = ()
+
+
+def percentiles(values: Sequence[float], points: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
+    """Nearest-rank percentiles and the max of values (None when empty)."""
+    if not values:
+        return {**{f"p{p}": None for p in points}, "max": None}
+    s = sorted(values)
+    out: dict[str, float | None] = {f"p{p}": s[min(len(s) - 1, max(0, -(-p * len(s) // 100) - 1))] for p in points}
+    out["max"] = s[-1]
+    return out
+
+
+def peak_read_rate(reads: Sequence[tuple[float, int]], block_bytes: int, window_ms: float) -> dict[str, float]:
+    """Peak and mean disk read bandwidth (bytes/s) over the trace timeline in windows of window_ms."""
+    if not reads:
+        return {"peak_bytes_per_s": 0.0, "mean_bytes_per_s": 0.0, "window_ms": window_ms}
+    buckets: dict[int, int] = {}
+    for ts, blocks in reads:
+        b = int(ts // window_ms)
+        buckets[b] = buckets.get(b, 0) + blocks
+    span_s = max(window_ms, max(ts for ts, _ in reads) - min(ts for ts, _ in reads) + window_ms) / 1000
+    seconds = window_ms / 1000
+    return {
+        "peak_bytes_per_s": max(buckets.values()) * block_bytes / seconds,
+        "mean_bytes_per_s": sum(buckets.values()) * block_bytes / span_s,
+        "window_ms": window_ms,
+    }
+
+
+def disk_sizing(reuse: ReuseProfile, blocks: int, memory_blocks: int, block_bytes: int,
+                disk_blocks: int) -> dict[str, Any]:
+    """How much disk is worth buying, from LRU stack depths (write_through + LRU model).
+
+    With every tier holding its most recent blocks, total hits at disk size D are the accesses of
+    depth <= max(D, memory); disk hits are those deeper than the memory tiers.
+    """
+    ideal = reuse.hits_within(1 << 62)
+    memory = reuse.hits_within(memory_blocks)
+
+    def point(d: int) -> dict[str, Any]:
+        total = reuse.hits_within(max(d, memory_blocks))
+        return {"disk_blocks": d, "disk_bytes": d * block_bytes, "hit_rate": total / blocks,
+                "disk_hit_rate": (total - memory) / blocks}
+
+    sizes = sorted({int(disk_blocks * f) for f in (0.25, 0.5, 1, 2, 4, 8)} - {0}) if disk_blocks else []
+    share = {}
+    for frac in (0.5, 0.9, 0.99):
+        need = reuse.capacity_for(memory + int((ideal - memory) * frac + 0.999999)) if ideal > memory else 0
+        share[f"{int(frac * 100)}%"] = {"disk_blocks": need, "disk_bytes": need * block_bytes}
+    return {
+        "model": "LRU stack depth (exact for write_through + LRU when requests fit every tier)",
+        "ideal_hit_rate": ideal / blocks,
+        "memory_hit_rate": memory / blocks,
+        "disk_for_share_of_remaining_hits": share,
+        "points": [point(d) for d in sizes],
+    }
+
+
+def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse: ReuseProfile | None = None,
+              disk_stats: dict[str, int] | None = None, window_ms: float = 1000.0) -> dict[str, Any]:
+    """The replay's figures as a JSON-ready dict (block rates are fractions of all blocks)."""
+    t = totals
+    blocks, tokens = max(t.blocks, 1), max(t.tokens, 1)
+    bb = setup.block_bytes
+    out: dict[str, Any] = {
+        "requests": t.requests,
+        "blocks": t.blocks,
+        "tokens": t.tokens,
+        "hit_blocks": dict(t.hit_blocks),
+        "hit_rate": {k: v / blocks for k, v in t.hit_blocks.items()},
+        "total_hit_rate": sum(t.hit_blocks.values()) / blocks,
+        "hit_tokens": dict(t.hit_tokens),
+        "token_hit_rate": {k: v / tokens for k, v in t.hit_tokens.items()},
+        "total_token_hit_rate": sum(t.hit_tokens.values()) / tokens,
+        "requests_with_disk_hit": t.requests_with_disk_hit,
+        "matched_not_served_blocks": t.matched_not_served_blocks,
+        "not_cached_blocks": t.not_cached_blocks,
+        "tiers": {tier: {"blocks": getattr(setup, f"{tier}_blocks"),
+                         "tokens": getattr(setup, f"{tier}_blocks") * setup.block_tokens,
+                         "bytes": getattr(setup, f"{tier}_blocks") * bb} for tier in TIERS},
+        "policies": {"device_to_host": setup.write_policy.device_to_host,
+                     "host_to_disk": setup.write_policy.host_to_disk,
+                     "selective_hits": setup.write_policy.selective_hits,
+                     "eviction": setup.eviction_policy, "admission_hits": setup.admission_hits,
+                     "load_mode": setup.load_mode},
+        "block_tokens": setup.block_tokens,
+        "block_bytes": bb,
+    }
+    load_s = {"device": 0.0,
+              "host": t.hit_blocks["host"] * bb / cost.host_to_device_bytes_per_s,
+              "disk": t.hit_blocks["disk"] * bb / cost.disk_to_device_bytes_per_s}
+    saved = {k: t.hit_tokens[k] / cost.prefill_tokens_per_s - load_s[k] for k in TIERS}
+    out["prefill_time"] = {
+        "recompute_all_s": t.tokens / cost.prefill_tokens_per_s,
+        "load_s": load_s,
+        "saved_s": saved,
+        "total_saved_s": sum(saved.values()),
+        "prefill_tokens_per_s": cost.prefill_tokens_per_s,
+        "host_to_device_gbps": cost.host_to_device_bytes_per_s / 1e9,
+        "disk_to_device_gbps": cost.disk_to_device_bytes_per_s / 1e9,
+        "assumed": list(cost.assumed),
+    }
+    if setup.disk_blocks and disk_stats is not None:
+        written = disk_stats["pages_written"]
+        never = disk_stats["deleted_unread"] + disk_stats["unread_at_end"]
+        out["disk"] = {
+            "pages_written": written,
+            "bytes_written": written * bb,
+            "pages_read": disk_stats["pages_read"],
+            "bytes_read": disk_stats["pages_read"] * bb,
+            "never_read_share": never / written if written else 0.0,
+            "evicted_unread_pages": disk_stats["deleted_unread"],
+            "unread_at_end_pages": disk_stats["unread_at_end"],
+            "not_admitted_pages": disk_stats["not_admitted"],
+            "read_bandwidth": peak_read_rate(t.disk_reads, bb, window_ms),
+            "reuse_distance_of_hits": {
+                "blocks": percentiles(t.disk_hit_depths),
+                "bytes": {k: None if v is None else v * bb for k, v in percentiles(t.disk_hit_depths).items()},
+                "seconds": {k: None if v is None else v / 1000 for k, v in percentiles(t.disk_hit_ages_ms).items()},
+            },
+        }
+    if reuse is not None:
+        memory = max(setup.device_blocks, setup.host_blocks)
+        out["disk_sizing"] = disk_sizing(reuse, blocks, memory, bb, setup.disk_blocks)
+    if t.server_checked:
+        out["server_check"] = {"requests": t.server_checked, "mismatches": len(t.server_mismatches),
+                               "first_mismatches": [{"line": line, "server": s, "replay": r}
+                                                    for line, s, r in t.server_mismatches[:5]]}
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB"
+
+
+def format_table(s: dict[str, Any], title: str) -> str:
+    """A readable terminal report of a summary."""
+    lines = [title]
+    tiers = s["tiers"]
+    lines.append("tiers: " + " | ".join(
+        f"{k} {v['blocks']:,} blocks ({v['tokens']:,} tokens, {_gib(v['bytes'])})" if v["blocks"] else f"{k} off"
+        for k, v in tiers.items()))
+    p = s["policies"]
+    lines.append(f"policies: GPU->host {p['device_to_host']}, host->disk {p['host_to_disk']}, "
+                 f"eviction {p['eviction']}, admission {p['admission_hits']}, load {p['load_mode']}")
+    lines.append("")
+    pt = s["prefill_time"]
+    lines.append(f"{'tier':<8}{'hit blocks':>12}{'% blocks':>10}{'hit tokens':>14}{'% tokens':>10}"
+                 f"{'prefill saved':>15}")
+    for k in TIERS:
+        lines.append(f"{k:<8}{s['hit_blocks'][k]:>12,}{s['hit_rate'][k]:>10.1%}{s['hit_tokens'][k]:>14,}"
+                     f"{s['token_hit_rate'][k]:>10.1%}{pt['saved_s'][k]:>14,.1f}s")
+    lines.append(f"{'total':<8}{sum(s['hit_blocks'].values()):>12,}{s['total_hit_rate']:>10.1%}"
+                 f"{sum(s['hit_tokens'].values()):>14,}{s['total_token_hit_rate']:>10.1%}{pt['total_saved_s']:>14,.1f}s")
+    lines.append(f"{'of':<8}{s['blocks']:>12,}{'':>10}{s['tokens']:>14,}{'':>10}"
+                 f"{pt['recompute_all_s']:>14,.1f}s (recompute all)")
+    lines.append("")
+    lines.append(f"requests: {s['requests']:,}; with a disk hit: {s['requests_with_disk_hit']:,}; "
+                 f"blocks matched but not served: {s['matched_not_served_blocks']:,}; "
+                 f"not cached (larger than the GPU tier): {s['not_cached_blocks']:,}")
+    assumed = f" (assumed defaults: {', '.join(pt['assumed'])})" if pt["assumed"] else ""
+    lines.append(f"cost model: prefill {pt['prefill_tokens_per_s']:,.0f} tokens/s, host->GPU "
+                 f"{pt['host_to_device_gbps']:g} GB/s, disk->GPU {pt['disk_to_device_gbps']:g} GB/s{assumed}")
+    d = s.get("disk")
+    if d:
+        bw = d["read_bandwidth"]
+        rd = d["reuse_distance_of_hits"]
+        lines.append(f"disk: written {_gib(d['bytes_written'])} ({d['pages_written']:,} blocks), read "
+                     f"{_gib(d['bytes_read'])} ({d['pages_read']:,} blocks); never read back "
+                     f"{d['never_read_share']:.1%} of written blocks; not admitted {d['not_admitted_pages']:,}")
+        lines.append(f"disk read bandwidth over the trace timeline: peak {bw['peak_bytes_per_s'] / 1e9:,.2f} GB/s "
+                     f"({bw['window_ms']:g} ms windows), mean {bw['mean_bytes_per_s'] / 1e9:,.3f} GB/s")
+        if rd["blocks"]["p50"] is not None:
+            lines.append("reuse distance of disk hits: " + ", ".join(
+                f"{k} {v:,} blocks ({_gib(rd['bytes'][k])}, {rd['seconds'][k]:,.0f} s)"
+                for k, v in rd["blocks"].items()))
+    z = s.get("disk_sizing")
+    if z:
+        lines.append(f"LRU model: ideal hit rate {z['ideal_hit_rate']:.1%} of blocks (unlimited capacity); "
+                     f"memory tiers alone {z['memory_hit_rate']:.1%}")
+        lines.append("disk needed for a share of the hits memory misses: " + ", ".join(
+            f"{k} {v['disk_blocks']:,} blocks ({_gib(v['disk_bytes'])})"
+            for k, v in z["disk_for_share_of_remaining_hits"].items()))
+    sc = s.get("server_check")
+    if sc:
+        lines.append(f"server trace log: {sc['requests']:,} requests compared, {sc['mismatches']:,} with different "
+                     "cached tokens per tier than the server reported")
+    return "\n".join(lines)
