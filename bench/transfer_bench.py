@@ -61,8 +61,9 @@ def run_shape(name: str, layout: KVLayout, n: int, pool_pages: int) -> dict:
         except RuntimeError as e:
             out[mode] = {"error": str(e)}
             continue
-        h2d = timed(lambda c=copier: c.to_device(host_pages, dev_pages))
-        d2h = timed(lambda c=copier: c.to_host(dev_pages, host_pages))
+        # stream_wait: the timing stream waits for the copier's own streams, so events measure the transfer
+        h2d = timed(lambda c=copier: c.to_device(host_pages, dev_pages).stream_wait())
+        d2h = timed(lambda c=copier: c.to_host(dev_pages, host_pages).stream_wait())
         want = host.buffer[host_pages[:8]].clone()
         copier.to_device(host_pages, dev_pages).wait()
         ok_in = torch.equal(dev.read_pages(dev_pages[:8]).cpu(), want)

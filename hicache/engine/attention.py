@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 # cuDNN's SDPA builds a new execution plan for every new shape (1 ms of host time per call, and decode
 # shapes change every step), so CUDA runs use flash / memory-efficient attention instead
@@ -126,7 +127,8 @@ def _attend(
         out[plan.decode_rows] = o_dec.reshape(num_decode, num_heads, head_dim)
 
     for start, end, slots, mask in plan.prefill:
-        q_seq = q[start:end].transpose(0, 1)  # [heads, new_len, head_dim]
+        # SDPA's fused (flash / memory-efficient) kernels need 4-D [batch, heads, len, head_dim] inputs
+        q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
         if mask is None:  # nothing cached: the keys are exactly this step's
             k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
         else:
@@ -135,5 +137,12 @@ def _attend(
         if group > 1:
             k_seq = k_seq.repeat_interleave(group, dim=0)
             v_seq = v_seq.repeat_interleave(group, dim=0)
-        o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=mask, is_causal=mask is None)
-        out[start:end] = o_seq.transpose(0, 1)
+        k_seq, v_seq = k_seq.unsqueeze(0), v_seq.unsqueeze(0)
+        if mask is None:
+            o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True)
+        elif q.is_cuda:  # queries are the last new_len positions: causal aligned to the bottom right
+            bias = causal_lower_right(end - start, slots.numel())
+            o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=bias)
+        else:
+            o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=mask)
+        out[start:end] = o_seq[0].transpose(0, 1)

@@ -180,11 +180,12 @@ class KvikioSlotIO:
 
     name = "kvikio"
 
-    def __init__(self, slab: SlabFile, page_bytes: int) -> None:
+    def __init__(self, slab: SlabFile, page_bytes: int, io_threads: int = 8) -> None:
         import kvikio  # optional extra: hicache[gds]
 
         self.slab = slab
         self.page_bytes = page_bytes
+        set_kvikio_threads(kvikio, io_threads)
         self.file = kvikio.CuFile(slab.path, "r" if slab.read_only else "r+")
 
     @staticmethod
@@ -224,6 +225,18 @@ class KvikioSlotIO:
 
     def close(self) -> None:
         self.file.close()
+
+
+def set_kvikio_threads(kvikio, threads: int) -> None:
+    """Raise kvikio's I/O thread pool to `threads` (its default of 1 leaves the disk idle)."""
+    try:
+        current = kvikio.defaults.num_threads()
+        if current < threads:
+            kvikio.defaults.set("num_threads", threads)
+    except (AttributeError, TypeError):  # older kvikio: the setter has another name
+        setter = getattr(kvikio.defaults, "num_threads_reset", None)
+        if setter is not None:
+            setter(threads)
 
 
 def kvikio_usable() -> tuple[bool, str]:

@@ -133,7 +133,7 @@ class L3Store:
         self._slab = SlabFile(file, header, self.read_only, want_direct=io_backend != "buffered")
         self._load(slot_count)
         if use_kvikio:
-            self._io = KvikioSlotIO(self._slab, self.page_bytes)
+            self._io = KvikioSlotIO(self._slab, self.page_bytes, io_threads)
         else:
             self._io = PosixSlotIO(self._slab, self.page_bytes, io_threads, max_io_bytes)
         self._header = self._slab.header
