@@ -153,7 +153,11 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:,.2f} GiB"
+    """Bytes in binary units (B, KiB, ..., TiB)."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
 
 
 def format_table(s: dict[str, Any], title: str) -> str:

@@ -1,0 +1,113 @@
+"""The replay command end to end: trace formats, bad lines, JSON figures, sweeps, the sample trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.cli import main
+from hicache.replay.core import Replayer, ReplaySetup
+from hicache.replay.reuse import stack_depths
+from hicache.replay.trace import TRACE_LOG, TraceError, parse_lines, read_trace, trace_line
+from radix import page_keys
+
+SAMPLE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+
+
+def write(path: Path, rows: list[dict | str]) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def mooncake(ts: float, ids: list[int], bt: int = 4) -> dict:
+    return {"timestamp": ts, "input_length": len(ids) * bt, "output_length": 1, "hash_ids": ids}
+
+
+def test_bad_lines_skipped_with_line_numbers_or_strict(tmp_path: Path) -> None:
+    rows = [mooncake(0, [1, 2]), "{not json", {"timestamp": 1, "input_length": 8}, mooncake(2, [1, 2, 3]),
+            {"timestamp": 3, "input_length": 100, "output_length": 1, "hash_ids": [1]}]
+    trace = read_trace(write(tmp_path / "t.jsonl", rows), block_tokens=4)
+    assert [r.line for r in trace.records] == [1, 4]
+    assert [n for n, _ in trace.bad_lines] == [2, 3, 5]
+    assert "output_length" in trace.bad_lines[1][1] and "want 25" in trace.bad_lines[2][1]
+    with pytest.raises(TraceError, match=":2: invalid JSON"):
+        read_trace(tmp_path / "t.jsonl", block_tokens=4, strict=True)
+    assert main(["replay", str(tmp_path / "t.jsonl"), "--block-tokens", "4", "--strict", "--no-progress",
+                 "--device-tokens", "64"]) == 2
+    with pytest.raises(TraceError, match="no valid request lines"):
+        parse_lines(["garbage\n"])
+
+
+def test_trace_log_round_trip_and_server_cap(tmp_path: Path) -> None:
+    """The server's trace-log line is detected; replay leaves the last token to compute, as a server does."""
+    ns = bytes(16)
+    tokens = list(range(32))
+    keys = page_keys(ns, tokens, 8)  # 4 full pages of 8 tokens
+    lines = [trace_line(1000.0, 32, 5, keys, 8, {}, 12.5),
+             trace_line(2000.0, 32, 5, keys, 8, {"device": 24}, 3.0)]
+    trace = parse_lines(lines)
+    assert trace.format == TRACE_LOG and trace.block_tokens == 8
+    assert trace.records[1].cached_tokens == {"device": 24, "host": 0, "disk": 0}
+    rep = Replayer(ReplaySetup(8, 16))
+    rep.run(trace.records, server_log=True)
+    assert rep.totals.server_checked == 2 and rep.totals.server_mismatches == []
+    with pytest.raises(TraceError, match="block_tokens 8"):
+        parse_lines(lines, block_tokens=16)
+    with pytest.raises(ValueError, match="page ids"):
+        trace_line(0.0, 33, 1, keys[:3], 8, {}, None)
+
+
+def test_json_figures_and_exit_codes(tmp_path: Path) -> None:
+    rows = [mooncake(i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6], [1, 2, 3, 7], [4, 5, 6]])]
+    trace = write(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "r.json"
+    args = ["replay", trace, "--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20",
+            "--disk-tokens", "32", "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100",
+            "--no-progress", "--json", str(out)]
+    assert main([*args[:6], "--host-tokens", "0", "--disk-tokens", "32", "--no-progress"]) == 2  # disk needs host
+    assert main(args) == 0
+    s = json.loads(out.read_text())
+    assert (s["requests"], s["blocks"]) == (4, 13)
+    assert s["hit_blocks"] == {"device": 1, "host": 2, "disk": 3}  # as in test_hand_built_trace_known_answers
+    assert s["hit_rate"]["disk"] == pytest.approx(3 / 13) and s["total_hit_rate"] == pytest.approx(6 / 13)
+    assert s["token_hit_rate"]["host"] == pytest.approx(8 / 52)
+    assert s["requests_with_disk_hit"] == 2
+    d = s["disk"]
+    assert d["bytes_read"] == 3 * 400 and d["pages_written"] == 7
+    assert d["never_read_share"] == pytest.approx(4 / 7)
+    assert d["read_bandwidth"]["peak_bytes_per_s"] == pytest.approx(3 * 400)  # 1 + 2 blocks at 1.0 s and 1.5 s
+    assert s["prefill_time"]["assumed"] == ["prefill_tokens_per_s", "host_to_device_gbps", "disk_to_device_gbps"]
+    assert s["disk_sizing"]["ideal_hit_rate"] == pytest.approx(6 / 13)
+
+
+def test_sweep_writes_points_and_plot(tmp_path: Path) -> None:
+    rows = [mooncake(float(i), [i % 5, 10 + i % 5, 20 + i % 3]) for i in range(30)]
+    trace = write(tmp_path / "t.jsonl", rows)
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert main(["replay", trace, "--block-tokens", "4", "--device-tokens", "12", "--kv-bytes-per-token", "10",
+                 "--sweep", "host=0,24", "--sweep", "disk=0,16,40", "--json", str(out), "--plot", str(png),
+                 "--no-progress"]) == 0
+    s = json.loads(out.read_text())
+    assert len(s["points"]) == 6
+    skipped = [p for p in s["points"] if "skipped" in p]
+    assert [p["sizes_tokens"] for p in skipped] == [{"host": 0, "disk": 16}, {"host": 0, "disk": 40}]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["replay", trace, "--sweep", "nvme=1,2", "--no-progress"]) == 2
+
+
+@pytest.mark.skipif(not SAMPLE.exists(), reason="sample trace not present")
+def test_sample_trace_ideal_and_single_pool_lru() -> None:
+    """64.0% of blocks with unlimited capacity, 42.4% with one 10,000-block LRU pool (trace README)."""
+    trace = read_trace(SAMPLE)
+    assert (len(trace.records), trace.blocks) == (3993, 121877)
+    for blocks, want in ((10**6, 0.640), (10_000, 0.424)):
+        rep = Replayer(ReplaySetup(512, blocks))
+        t = rep.run(trace.records)
+        assert t.hit_blocks["host"] == t.hit_blocks["disk"] == 0
+        assert round(t.hit_blocks["device"] / t.blocks, 3) == want
+        if blocks == 10**6:
+            assert round(t.hit_tokens["device"] / t.tokens, 3) == 0.651
+    reuse = stack_depths(trace.records)
+    assert round(reuse.hits_within(10_000) / trace.blocks, 3) == 0.424
