@@ -50,7 +50,7 @@ class Scheduler:
         self.running: list[Request] = []  # by admission order
         self.draining: list[Request] = []  # aborted while loading: released once their loads settle
         self._admissions = itertools.count()
-        self._starved = False  # the last plan ran out of GPU pages: admit nothing new
+        self._starved = False  # ran out of GPU pages: admit nothing new until a request leaves
         self.preemptions = 0
 
     # ------------------------------------------------------------------ queues
@@ -77,6 +77,7 @@ class Scheduler:
             self._commit(req)
             self._drop_pages(req)
         req.status = Status.FINISHED
+        self._starved = False
 
     # ------------------------------------------------------------------ one step
 
@@ -141,7 +142,6 @@ class Scheduler:
         bisect.insort(self.running, req, key=lambda r: r.admitted_seq)
 
     def _plan(self) -> list[tuple[Request, int]]:
-        self._starved = False
         plan: dict[Request, int] = {}
         for req in list(self.running):  # decodes: one token each, oldest first
             if req.status is Status.RUNNING and len(req.token_ids) - req.computed == 1 and self._reserve(req, 1, plan):

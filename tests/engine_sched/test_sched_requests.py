@@ -1,0 +1,134 @@
+"""random:tiny: preemption, pool-sized and over-capacity requests, seeds, stop ids, abort, the async runner."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hicache.engine.params import SamplingParams
+from hicache.engine.runner import AsyncEngine
+from tests.engine_sched.conftest import assert_no_leaks, make_engine, run_all
+
+LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 250 + 1 for i in range(n)]
+
+
+def solo(tiny, tokens: list[int], params: SamplingParams) -> list[int]:
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=1024)
+    engine.add_request("solo", tokens, params)
+    return run_all(engine)["solo"][0]
+
+
+def test_preemption_resumes_from_cache(tiny):
+    # 4 requests of 30 + 40 tokens need ~18 pages each; the pool has 30: the newest get preempted
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=120, cache__host__size_tokens=512)
+    for i in range(4):
+        engine.add_request(f"p{i}", prompt(i, 30), LONG)
+    results = run_all(engine)
+    assert engine.stats()["preemptions"] > 0
+    for i in range(4):
+        ids, _, out = results[f"p{i}"]
+        assert out.finish_reason == "length" and len(ids) == 40
+        assert ids == solo(tiny, prompt(i, 30), LONG)
+    assert_no_leaks(engine)
+
+
+def test_request_needing_most_of_the_pool(tiny):
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=96)  # 24 pages
+    for i in range(3):
+        engine.add_request(f"small{i}", prompt(i, 10), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    engine.add_request("big", prompt(9, 50), LONG)  # 50 + 40 - 1 tokens = 23 pages
+    results = run_all(engine)
+    assert results["big"][2].finish_reason == "length" and len(results["big"][0]) == 40
+    assert all(len(results[f"small{i}"][0]) == 20 for i in range(3))
+    assert_no_leaks(engine)
+
+
+def test_over_capacity_is_a_request_error(tiny):
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=64)  # 16 pages
+    engine.add_request("huge", prompt(1, 60), SamplingParams(max_tokens=10))
+    engine.add_request("ok", prompt(2, 10), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    engine.add_request("empty", [], SamplingParams())
+    results = run_all(engine)
+    huge = results["huge"][2]
+    assert huge.finished and huge.finish_reason == "error" and "GPU pool has only 16" in huge.error
+    assert results["empty"][2].finish_reason == "error"
+    assert results["ok"][2].finish_reason == "length" and len(results["ok"][0]) == 5
+    assert_no_leaks(engine)
+
+
+def test_seeds_reproducible_and_batch_independent(tiny):
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=123, max_tokens=12, ignore_eos=True)
+    alone = solo(tiny, prompt(3, 12), sampled)
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=1024)
+    engine.add_request("a", prompt(3, 12), sampled)
+    engine.add_request("b", prompt(4, 20), SamplingParams(temperature=1.0, seed=5, max_tokens=12))
+    engine.add_request("c", prompt(3, 12), SamplingParams(temperature=1.0, seed=124, max_tokens=12, ignore_eos=True))
+    results = run_all(engine)
+    assert results["a"][0] == alone
+    assert results["c"][0] != alone
+
+
+def test_stop_token_ids_and_max_tokens(tiny):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ids = solo(tiny, prompt(5, 9), greedy)
+    stop_id = ids[5]
+    stopped = solo(tiny, prompt(5, 9), SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=(stop_id,),
+                                                      ignore_eos=True))
+    assert stopped == ids[: ids.index(stop_id) + 1]
+    assert solo(tiny, prompt(5, 9), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)) == ids[:3]
+
+
+def test_abort_frees_pages(tiny):
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=256)
+    engine.add_request("x", prompt(1, 30), LONG)
+    engine.add_request("y", prompt(2, 30), LONG)
+    for _ in range(3):
+        engine.step()
+    out = engine.abort("x")
+    assert out.finished and out.finish_reason == "abort" and engine.abort("x") is None
+    results = run_all(engine)
+    assert len(results["y"][0]) + len(engine.requests) >= 1
+    assert_no_leaks(engine)
+
+
+def test_async_engine_streams_and_aborts(tiny):
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=512)
+    runner = AsyncEngine(engine)
+
+    async def collect(request_id: str, tokens: list[int], limit: int | None = None) -> list:
+        outs = []
+        async for out in runner.generate(request_id, tokens, LONG):
+            outs.append(out)
+            if limit is not None and len(outs) >= limit:
+                break  # closing the iterator aborts the request
+        return outs
+
+    async def main() -> tuple:
+        results = await asyncio.gather(*(collect(f"s{i}", prompt(i, 20)) for i in range(4)),
+                                       collect("cut", prompt(9, 20), limit=2))
+        stats = await runner.stats()
+        return results, stats
+
+    try:
+        results, stats = asyncio.run(main())
+    finally:
+        runner.shutdown()
+    for outs in results[:4]:
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 40
+    assert not results[4][-1].finished
+    assert stats["requests"] == {"waiting": 0, "loading": 0, "running": 0}
+    assert runner.runner.error is None
+    assert_no_leaks(engine)
+
+
+def test_invalid_params_raise():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="unknown"):
+        SamplingParams.of(None, max_token=3)
+    assert SamplingParams(stop="x").stop == ("x",)

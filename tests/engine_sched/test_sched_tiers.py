@@ -1,0 +1,106 @@
+"""The real SmolLM2 through the engine: greedy output must not depend on where the prefix came from.
+
+Tier sizes are tiny so that other prompts push prompt A out of the GPU (and host); `cached_tokens` per
+tier says which tier served A the second time. float32 on CPU keeps the tokens stable.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.engine.params import SamplingParams
+from tests.engine_sched.conftest import make_engine, run_all, settle_l3
+
+PAGE = 8
+A = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+     "movable metal type, oil-based ink and a wooden screw press. Within fifty years printers worked in")
+OTHERS = [
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to make "
+    "glucose and oxygen. It happens mostly in the leaves, inside small structures called chloroplasts that",
+    "A binary search tree keeps its keys in order: every key in the left subtree of a node is smaller than "
+    "the node's key and every key in the right subtree is larger. Searching therefore takes time that",
+    "Mount Kilimanjaro in Tanzania is the highest mountain in Africa. It is a dormant volcano with three "
+    "cones, Kibo, Mawenzi and Shira, and climbers usually need five to eight days to reach the summit and",
+    "Bread dough rises because yeast ferments the sugars in flour and releases carbon dioxide, which is "
+    "trapped by the stretchy gluten network. Bakers knead the dough to develop that network, and then they",
+    "The Pacific Ocean is the largest and deepest of the world's oceans, covering about a third of the "
+    "surface of the Earth. Its deepest point, the Challenger Deep in the Mariana Trench, lies nearly eleven",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def generate(engine, prompts: list[str], params: SamplingParams = GREEDY) -> list:
+    """(token ids, streamed text, final output) per prompt, in order."""
+    ids = [f"{engine.counters['steps']}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, engine.tokenizer.encode(prompt), params)
+    results = run_all(engine)
+    return [results[request_id] for request_id in ids]
+
+
+@pytest.fixture(scope="module")
+def baseline(smollm):
+    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=4096)
+    ids, _, out = generate(engine, [A])[0]
+    assert len(engine.tokenizer.encode(A)) >= 4 * PAGE + 1
+    assert out.usage.total_cached_tokens == 0
+    return ids, engine
+
+
+def served(smollm, baseline, expect_tier: str, **tiers) -> None:
+    engine = make_engine(smollm, cache__page_size=PAGE, **tiers)
+    first, _, _ = generate(engine, [A])[0]
+    assert first == baseline[0]
+    for other in OTHERS:
+        generate(engine, [other])
+        settle_l3(engine)
+    ids, _, out = generate(engine, [A])[0]
+    cached = out.usage.cached_tokens
+    full = len(engine.tokenizer.encode(A)) // PAGE * PAGE
+    if expect_tier == "none":
+        assert cached == {"device": 0, "host": 0, "disk": 0}
+    else:
+        assert cached[expect_tier] == full and out.usage.total_cached_tokens == full, cached
+    assert ids == baseline[0]
+    engine.close()
+
+
+def test_prefix_from_device(smollm, baseline):
+    engine = baseline[1]
+    ids, _, out = generate(engine, [A])[0]
+    assert out.usage.cached_tokens["device"] == len(engine.tokenizer.encode(A)) // PAGE * PAGE
+    assert ids == baseline[0]
+
+
+def test_prefix_from_host(smollm, baseline):
+    served(smollm, baseline, "host", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=4096)
+
+
+def test_prefix_from_disk(smollm, baseline, tmp_path):
+    served(smollm, baseline, "disk", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=12 * PAGE,
+           cache__l3__path=str(tmp_path / "l3"), cache__l3__size_gib=None, cache__l3__size_tokens=4096)
+
+
+def test_prefix_recomputed(smollm, baseline):
+    served(smollm, baseline, "none", cache__device__size_tokens=12 * PAGE)
+
+
+def test_batched_with_others(smollm, baseline):
+    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=4096, scheduler__chunk_tokens=96)
+    results = generate(engine, [OTHERS[0], A, OTHERS[1], OTHERS[2]])
+    assert results[1][0] == baseline[0]
+    assert engine.stats()["engine"]["steps"] < 4 * 9  # prefill chunks and decodes were batched
+
+
+def test_stop_string_trims_and_streams(smollm):
+    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=2048)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = engine.tokenizer.encode(prompt)
+    engine.add_request("free", ids, SamplingParams(temperature=0.0, max_tokens=16))
+    full = run_all(engine)["free"]
+    assert "Paris" in full[1] and full[2].finish_reason == "stop"  # EOS
+    engine.add_request("stopped", ids, SamplingParams(temperature=0.0, max_tokens=16, stop=("Paris", "London")))
+    ids_out, text, out = run_all(engine)["stopped"]  # text = concatenated streamed deltas
+    assert out.finish_reason == "stop"
+    assert text == full[1][: full[1].index("Paris")]
+    assert "Par" not in text[-3:]
