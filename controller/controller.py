@@ -15,6 +15,7 @@ policies fire); `release(ticket)` drops the lock; `free_device` returns private 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -449,6 +450,7 @@ class TierController:
                         part.pending = self.copier.to_device(host_pages, part.loc[0]) if self.copier else COMPLETED
                     self.stats.moved(DISK, HOST, n, self.page_bytes)
                     self.stats.moved(HOST, DEVICE, n, self.page_bytes)
+                    self._observe_disk_read(n * self.page_bytes, c.seconds)
                 else:
                     self.host.free(load.host_pages)
                     self.stats.load_failures += 1
@@ -456,6 +458,15 @@ class TierController:
                         part.pending = FAILED
                         self._invalid[part.id] = part
         self._remove_invalid()
+
+    def _observe_disk_read(self, nbytes: int, seconds: float) -> None:
+        """Fold a measured L3 read into the cost model's disk bandwidth (EWMA), so decisions follow the disk."""
+        if seconds <= 0 or not self.cost.adaptive:
+            return
+        measured = nbytes / seconds
+        old = self.cost.disk_to_device_bytes_per_s
+        new = measured if not old else 0.8 * old + 0.2 * measured
+        self.cost = dataclasses.replace(self.cost, disk_to_device_bytes_per_s=new)
 
     @staticmethod
     def _pieces(node: TreeNode, belongs: Any) -> list[TreeNode]:

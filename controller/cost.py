@@ -23,6 +23,7 @@ class CostModel:
     prefill_tokens_per_s: float | None = None
     host_to_device_bytes_per_s: float | None = None
     disk_to_device_bytes_per_s: float | None = None
+    adaptive: bool = True  # update the disk bandwidth from measured reads (off when it was configured)
 
     def load_seconds(self, tier: str) -> float:
         if tier == DEVICE:
@@ -63,4 +64,5 @@ class CostModel:
             "host_to_device_gbps": (self.host_to_device_bytes_per_s or 0) / 1e9,
             "disk_to_device_gbps": (self.disk_to_device_bytes_per_s or 0) / 1e9,
             "load_disk_page": self.load_seconds(DISK) < self.compute_seconds(),
+            "adaptive": self.adaptive,
         }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ class Completion:
     token: Any  # the caller's tag
     results: list[bool]  # per page: written / read and verified
     keys: frozenset[bytes] = frozenset()
+    seconds: float = 0.0  # time the store call took (reads: for the controller's bandwidth estimate)
 
 
 @dataclass
@@ -145,6 +147,7 @@ class L3Worker:
                 job.before()
             keys.extend(job.keys)
             pages.extend(job.pages)
+        start = time.perf_counter()
         try:
             results = list(self.store.write_pages(keys, pages))
         except Exception:  # the store reports I/O faults as False; anything else is a bug, keep serving
@@ -153,13 +156,15 @@ class L3Worker:
         i = 0
         for job in batch:
             n = len(job.keys)
-            self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys)), n)
+            elapsed = time.perf_counter() - start
+            self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys), elapsed), n)
             i += n
 
     def _run_read(self, token: Any, keys: list[bytes], pages: list[Any]) -> None:
+        start = time.perf_counter()
         try:
             results = list(self.store.read_pages(keys, pages))
         except Exception:
             logger.exception("L3 read of %d pages failed", len(keys))
             results = [False] * len(keys)
-        self._finish(Completion("read", token, results, frozenset(keys)))
+        self._finish(Completion("read", token, results, frozenset(keys), time.perf_counter() - start))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from controller import CostModel, L3Worker, TierController, WritePolicy
+from controller import CostModel, L3Worker, TierController, WritePolicy, calibrate
 from hicache.config import Config, ConfigError, ResolvedSizes, resolve_sizes
 from radix import RadixTree, namespace_fingerprint
 from tiers import DevicePool, HostPool, KVLayout, MetadataPool, make_copier
@@ -64,7 +65,24 @@ def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None
         lp.prefill_tokens_per_s or prefill_tokens_per_s,
         gbps(lp.host_to_device_gbps),
         gbps(lp.disk_to_device_gbps),
+        adaptive=lp.disk_to_device_gbps is None,
     )
+
+
+def calibrate_bandwidths(controller: TierController, cfg: Config) -> None:
+    """Measure host->GPU and L3->GPU bandwidth for the cost model where the config leaves them unset."""
+    lp = cfg.cache.load_policy
+    if lp.mode != "auto" or controller.host is None or controller.copier is None:
+        return
+    cost = controller.cost
+    if lp.host_to_device_gbps is None:
+        bw = calibrate.host_to_device_bandwidth(controller.copier, controller.device, controller.host)
+        cost = dataclasses.replace(cost, host_to_device_bytes_per_s=bw)
+    if lp.disk_to_device_gbps is None and controller.l3 is not None:
+        bw = calibrate.disk_to_device_bandwidth(controller.l3, controller.copier, controller.device, controller.host)
+        cost = dataclasses.replace(cost, disk_to_device_bytes_per_s=bw)
+    controller.cost = cost
+    logger.info("cost model: %s", cost.describe())
 
 
 def build_cache(
@@ -116,6 +134,8 @@ def build_cache(
         tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost_model(cfg, layout, prefill_tokens_per_s),
         worker, min(sizes.disk_pages, l3.capacity_pages) if l3 is not None else None,
     )
+    if not metadata_only:
+        calibrate_bandwidths(controller, cfg)
     logger.info(
         "cache: page %d tokens x %d bytes; device %d pages, host %d pages, disk %d pages",
         layout.page_size, layout.page_bytes, sizes.device_pages, sizes.host_pages, sizes.disk_pages,

@@ -1,0 +1,69 @@
+"""Startup measurements for the cost model: host -> GPU copy bandwidth and L3 -> GPU read bandwidth.
+
+Each measurement moves real pages through the same paths serving uses (the copier; the L3 store
+and then the copier), on scratch pages it allocates and frees, so it costs a few milliseconds on
+a GPU and a few pages of disk I/O. The L3 probe writes scratch pages under random keys and deletes
+them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def _sync(copier: Any) -> None:
+    import torch
+
+    if getattr(copier, "device_pool", None) is not None and copier.device_pool.device.type == "cuda":
+        torch.cuda.synchronize(copier.device_pool.device)
+
+
+def host_to_device_bandwidth(copier: Any, device: Any, host: Any, pages: int = 16) -> float | None:
+    """Bytes/s of copier.to_device for `pages` scattered pages (best of 3); None if the pools are too small."""
+    pages = min(pages, device.allocator.free_pages // 2, host.allocator.free_pages)
+    if pages < 1:
+        return None
+    allocated = device.allocate(2 * pages)
+    dev_pages = allocated[::2]  # every other page: non-contiguous, as in serving
+    host_pages = host.allocate(pages)
+    try:
+        copier.to_device(host_pages, dev_pages).wait()  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            _sync(copier)
+            start = time.perf_counter()
+            copier.to_device(host_pages, dev_pages).wait()
+            best = min(best, time.perf_counter() - start)
+        return pages * host.page_bytes / best
+    finally:
+        device.free(allocated)
+        host.free(host_pages)
+
+
+def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages: int = 8) -> float | None:
+    """Bytes/s of reading `pages` pages from L3 into host pages and copying them to the GPU."""
+    pages = min(pages, host.allocator.free_pages, device.allocator.free_pages)
+    if pages < 1 or l3.capacity_pages - l3.used_pages() < pages:
+        return None
+    host_pages = host.allocate(pages)
+    dev_pages = device.allocate(pages)
+    keys = [os.urandom(16) for _ in range(pages)]
+    views = [host.page_view(p) for p in host_pages]
+    try:
+        if not all(l3.write_pages(keys, views)):
+            return None
+        start = time.perf_counter()
+        ok = l3.read_pages(keys, views)
+        if copier is not None:
+            copier.to_device(host_pages, dev_pages).wait()
+        elapsed = time.perf_counter() - start
+        return pages * host.page_bytes / elapsed if all(ok) else None
+    finally:
+        l3.delete(keys)
+        host.free(host_pages)
+        device.free(dev_pages)
