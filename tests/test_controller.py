@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MemoryL3
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from memory_l3 import MemoryL3
 
 from controller import CostModel, L3Worker, TierController, WritePolicy
 from radix import DEVICE, DISK, HOST, RadixTree
