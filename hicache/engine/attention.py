@@ -76,7 +76,8 @@ def plan_attention(
         raise ValueError(f"new_lens sum to {start} but the batch has {positions.numel()} tokens")
 
     lengths = [s.numel() for s in decode_slots]
-    max_len = max(lengths, default=0)
+    # a multiple of 16: CUDA memory-efficient SDPA needs 16-aligned mask rows (else it falls back to math)
+    max_len = -(-max(lengths, default=0) // 16) * 16
     # padding repeats the sequence's first slot: masked out, but never uninitialised (NaN) pool memory
     slot_matrix = torch.empty(len(decode_slots), max_len, dtype=torch.int64, device=device)
     for i, slots in enumerate(decode_slots):
