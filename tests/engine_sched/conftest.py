@@ -1,4 +1,4 @@
-"""Fixtures for scheduler/engine tests: models loaded once, engines built from small dotted configs."""
+"""Fixtures for scheduler/engine tests: models loaded once per session."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.config import Config, override
-from hicache.engine.builder import build_engine
-from hicache.engine.engine import Engine
 from hicache.engine.weights import load_model
 
 
@@ -22,46 +19,3 @@ def tiny() -> tuple[Any, Any]:
 def smollm() -> tuple[Any, Any]:
     return load_model("smollm2-135m-instruct", torch.float32, torch.device("cpu"))
 
-
-def make_engine(model_pair: tuple[Any, Any], **dotted: Any) -> Engine:
-    """An Engine on CPU/float32 over `model_pair`; dotted config keys use '__' for '.' (cache__page_size=4)."""
-    model, tokenizer = model_pair
-    values = {"model.name": model.config.name, "model.device": "cpu", "model.dtype": "float32",
-              "cache.host.size_gib": None, "cache.host.size_tokens": 0}
-    values.update({k.replace("__", "."): v for k, v in dotted.items()})
-    host_tokens = values.pop("cache.host.size_tokens")
-    cfg = override(Config(), {k: v for k, v in values.items() if not k.startswith("cache.host")})
-    cfg = override(cfg, {"cache.host": {"size_tokens": host_tokens}})
-    return build_engine(cfg, model, tokenizer, calibrate=False)
-
-
-def run_all(engine: Engine, check: bool = True) -> dict[str, Any]:
-    """Step until idle; returns request id -> (token ids, text, final StepOutput); integrity after every step."""
-    results: dict[str, Any] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            ids, text, _ = results.get(out.request_id, ([], "", None))
-            results[out.request_id] = (ids + out.new_token_ids, text + out.text_delta, out)
-        if check:
-            engine.ctrl.check_integrity()
-    return results
-
-
-def settle_l3(engine: Engine) -> None:
-    """Wait for queued L3 I/O and apply it (so a later match sees what was written)."""
-    if engine.ctrl.worker is not None:
-        engine.ctrl.worker.wait_idle()
-        engine.ctrl.poll()
-
-
-def assert_no_leaks(engine: Engine) -> None:
-    """No request holds anything: GPU pages are all tree-owned, no private pages, no locks."""
-    settle_l3(engine)
-    ctrl = engine.ctrl
-    ctrl.check_integrity()
-    assert not ctrl._private
-    assert ctrl.device.used_pages() == len(ctrl.tree.owned_pages("device"))
-    assert all(node.lock_ref == 0 for node in ctrl.tree.nodes())
-    assert ctrl.tree.root.lock_ref == 1
-    s = engine.scheduler
-    assert not (s.waiting or s.loading or s.running or s.draining)

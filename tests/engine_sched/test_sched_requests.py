@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sched_helpers import assert_no_leaks, make_engine, run_all
 
 from hicache.engine.params import SamplingParams
 from hicache.engine.runner import AsyncEngine
-from tests.engine_sched.conftest import assert_no_leaks, make_engine, run_all
 
 LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 

@@ -7,9 +7,9 @@ tier says which tier served A the second time. float32 on CPU keeps the tokens s
 from __future__ import annotations
 
 import pytest
+from sched_helpers import make_engine, run_all, settle_l3
 
 from hicache.engine.params import SamplingParams
-from tests.engine_sched.conftest import make_engine, run_all, settle_l3
 
 PAGE = 8
 A = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 
+from sched_helpers import assert_no_leaks, make_engine
+
 from hicache.engine.params import SamplingParams
-from tests.engine_sched.conftest import assert_no_leaks, make_engine
 
 
 def test_mixed_workload_all_tiers(tiny, tmp_path):
