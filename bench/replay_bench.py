@@ -9,6 +9,7 @@ best of --repeat runs of Replayer.run, and separately the LRU stack-depth pass t
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -34,6 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     os.sched_setaffinity(0, {args.cpu})
     trace = read_trace(args.trace)
+    gc.freeze()  # as the CLI does
     blocks = trace.blocks
     print(f"trace: {args.trace}: {len(trace.records):,} requests, {blocks:,} blocks; pinned to CPU {args.cpu}")
     print("| case | total hit rate | best s | blocks/s |\n|---|---|---|---|")

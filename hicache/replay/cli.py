@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -184,11 +185,28 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     reuse = stack_depths(trace.records)
     reuse_s = time.perf_counter() - start
+    gc.freeze()  # the trace and reuse profile live to the end: keep them out of the collector's scans
     info = {"path": trace.path, "format": trace.format, "block_tokens": trace.block_tokens,
             "bad_lines": len(trace.bad_lines), "first_bad_lines": trace.bad_lines[:20],
             "kv_bytes_per_token": kv, "reuse_pass_seconds": reuse_s}
     title = (f"hicache replay: {trace.path} ({trace.format}, {len(trace.records):,} requests, {trace.blocks:,} blocks "
              f"of {trace.block_tokens} tokens, {kv:,} KV bytes/token; {len(trace.bad_lines)} bad lines skipped)")
+    try:
+        result = _replay(args, cfg, trace, kv, flags, base, grid, reuse, info, title, progress)
+    except ReplayError as e:
+        return _error(str(e))
+    finally:
+        gc.unfreeze()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def _replay(args: argparse.Namespace, cfg: Any, trace: Trace, kv: int, flags: dict[str, int | None],
+            base: ReplaySetup | None, grid: dict[str, list[int]], reuse: ReuseProfile, info: dict[str, Any],
+            title: str, progress: bool) -> dict[str, Any]:
+    reuse_s = info["reuse_pass_seconds"]
     if grid:
         def point(sizes: dict[str, int]) -> dict[str, Any]:
             setup = make_setup(args, cfg, trace.block_tokens, kv, {**flags, **sizes})
@@ -203,14 +221,8 @@ def run(args: argparse.Namespace) -> int:
             plot_sweep(points, grid, args.plot)
             print(f"plot: {args.plot}")
     else:
-        try:
-            summary = replay_once(trace, base, reuse, args.bandwidth_window_ms, progress)
-        except ReplayError as e:
-            return _error(str(e))
+        summary = replay_once(trace, base, reuse, args.bandwidth_window_ms, progress)
         summary["blocks_per_s_with_reuse_pass"] = trace.blocks / (summary["replay_seconds"] + reuse_s)
         print(format_table(summary, title))
         result = {"trace": info, **summary}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return result
