@@ -143,6 +143,7 @@ def weights_revision(files: list[Path]) -> str:
         if key not in memo:
             memo[key] = file_sha256(file)
         digests.append(memo[key])
+    memo = {key: digest for key, digest in memo.items() if Path(key.rsplit(":", 2)[0]).exists()}
     try:
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo_path.with_suffix(f".tmp{os.getpid()}")

@@ -58,3 +58,23 @@ def test_incremental_detokenizer_never_splits_characters(make, smollm2_tokenizer
     pieces.append(stream.flush())
     assert "".join(pieces) == text
     assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_hf_dir_chat_template_forms(tmp_path) -> None:
+    import json
+
+    Tokenizer.byte_fallback().save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}"},
+    ]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_dir(tmp_path, eos_token_ids=[7])
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|begin_of_text|>hi"
+    assert 7 in tokenizer.eos_token_ids and 257 in tokenizer.eos_token_ids
+
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{% endfor %}")
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "[user]"
