@@ -1,0 +1,93 @@
+"""`hicache serve`: the OpenAI-compatible server (FastAPI on uvicorn). Flags override the YAML config."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from hicache.config import Config, ServerConfig, load_config, override, set_tier_tokens
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "HICACHE_API_KEY"
+_SERVER = ServerConfig()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `serve` subcommand."""
+    p = sub.add_parser("serve", help="serve the OpenAI API (chat, completions, models, health, metrics)",
+                       description="Serve a model through the three-tier KV cache. Flags override --config.")
+    p.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    p.add_argument("--model", help="model name, random:<preset> or Hugging Face directory (model.name)")
+    p.add_argument("--served-model-name", help="model id reported by /v1/models and expected in requests")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N (model.device)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="model.dtype")
+    p.add_argument("--host", help=f"address to bind (default {_SERVER.host}; server.host)")
+    p.add_argument("--port", type=int, help=f"port (default {_SERVER.port}; server.port)")
+    p.add_argument("--l3-path", help="NVMe store directory (cache.l3.path); the disk tier is on when set")
+    p.add_argument("--no-l3", action="store_true", help="disable the disk tier")
+    for tier in ("device", "host", "disk"):
+        note = "at least one page" if tier == "device" else "0 disables it"
+        p.add_argument(f"--{tier}-tokens", type=int, metavar="N", help=f"{tier} tier capacity in tokens ({note})")
+    p.add_argument("--page-size", type=int, help="tokens per KV page (cache.page_size)")
+    p.add_argument("--load-mode", choices=("auto", "always", "never"), help="cache.load_policy.mode")
+    p.add_argument("--max-running-requests", type=int, help="scheduler.max_running_requests")
+    p.add_argument("--chunk-tokens", type=int, help="prefill tokens per step (scheduler.chunk_tokens)")
+    p.add_argument("--max-context-tokens", type=int, help="context limit (scheduler.max_context_tokens)")
+    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (or set ${API_KEY_ENV})")
+    p.add_argument("--max-body-bytes", type=int, help=f"request body limit (default {_SERVER.max_body_bytes})")
+    p.add_argument("--trace-log", metavar="FILE", help="append one JSON line per finished request (replayable)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds SIGTERM waits for in-flight requests before cancelling them (default 60)")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """The config file with the command line's overrides applied (ConfigError on bad values)."""
+    cfg = load_config(args.config)
+    dotted: dict[str, Any] = {
+        "model.name": args.model, "model.device": args.device, "model.dtype": args.dtype,
+        "server.host": args.host, "server.port": args.port, "server.served_model_name": args.served_model_name,
+        "server.max_body_bytes": args.max_body_bytes, "server.trace_log": args.trace_log,
+        "cache.page_size": args.page_size, "cache.load_policy.mode": args.load_mode,
+        "scheduler.max_running_requests": args.max_running_requests, "scheduler.chunk_tokens": args.chunk_tokens,
+        "scheduler.max_context_tokens": args.max_context_tokens,
+        "cache.l3.path": args.l3_path,
+    }
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is not None:
+        dotted["server.api_key"] = api_key
+    cfg = override(cfg, {k: v for k, v in dotted.items() if v is not None})
+    if args.no_l3:
+        cfg = override(cfg, {"cache.l3.path": None})
+    for tier in ("device", "host", "disk"):
+        tokens = getattr(args, f"{tier}_tokens")
+        if tokens is not None:
+            cfg = set_tier_tokens(cfg, tier, tokens)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine, then serve until SIGINT/SIGTERM (which drain requests and close the L3 store)."""
+    cfg = build_config(args)
+    import uvicorn  # the server stack and torch load only when the command runs
+
+    from hicache.engine.builder import build_engine
+    from hicache.engine.runner import AsyncEngine
+    from hicache.server.app import create_app
+
+    engine = AsyncEngine(build_engine(cfg))
+    try:
+        s = cfg.server
+        app = create_app(engine, cfg, s.served_model_name or cfg.model.name, s.api_key, s.trace_log)
+        config = uvicorn.Config(app, host=s.host, port=s.port, log_config=None, access_log=args.access_log,
+                                timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+        logger.info("serving %s on http://%s:%d (auth %s)", cfg.model.name, s.host, s.port,
+                    "on" if s.api_key else "off")
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()  # already done by the app's shutdown unless startup failed
+    return 0

@@ -1,0 +1,161 @@
+"""Prometheus metrics of the server: cache counters and tier usage from engine stats, request histograms.
+
+Cache figures are read at scrape time from an engine stats snapshot (see `Engine.stats`) and the L3
+store's `stats()`; request figures (TTFT, latency, finish reasons) are observed by the HTTP handlers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+TIERS = ("device", "host", "disk")
+PROMOTIONS = (("host", "device"), ("disk", "host"), ("disk", "device"))
+DEMOTIONS = (("device", "host"), ("host", "disk"), ("device", "disk"))
+L3_STATES = ("ok", "probing", "degraded", "read_only", "disabled")
+L3_COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "hits", "misses", "checksum_failures",
+               "read_errors", "write_errors", "evictions", "fsyncs")
+# latency buckets in seconds, from 1 ms (a GPU prefix hit) to minutes (a long queue)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _pair_counter(name: str, doc: str, values: dict[str, int], pairs: tuple[tuple[str, str], ...]) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=["src", "dst"])
+    seen = {f"{s}->{d}" for s, d in pairs}
+    for s, d in pairs:
+        family.add_metric([s, d], values.get(f"{s}->{d}", 0))
+    for key, value in sorted(values.items()):  # any pair not listed above
+        if key not in seen:
+            s, _, d = key.partition("->")
+            family.add_metric([s, d], value)
+    return family
+
+
+class CacheCollector:
+    """Turns the latest engine stats and L3 stats into metric families (set them before each scrape)."""
+
+    def __init__(self, page_bytes: int):
+        self.page_bytes = page_bytes
+        self.stats: dict[str, Any] = {}
+        self.l3: dict[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        cache = s.get("cache", {})
+        hits = CounterMetricFamily("hicache_cache_hit_tokens", "Prompt tokens served from each tier's cache",
+                                   labels=["tier"])
+        for tier in TIERS:
+            hits.add_metric([tier], cache.get("hit_tokens", {}).get(tier, 0))
+        yield hits
+        yield CounterMetricFamily("hicache_prompt_tokens", "Prompt tokens matched against the cache (per admission)",
+                                  value=cache.get("prompt_tokens", 0))
+        yield CounterMetricFamily("hicache_recomputed_tokens", "Cached tokens recomputed because loading cost more",
+                                  value=cache.get("recomputed_tokens", 0))
+        yield _pair_counter("hicache_pages_promoted", "Pages copied to a faster tier",
+                            cache.get("pages_promoted", {}), PROMOTIONS)
+        yield _pair_counter("hicache_pages_demoted", "Pages copied to a slower tier", cache.get("pages_demoted", {}),
+                            DEMOTIONS)
+        yield _pair_counter("hicache_bytes_moved", "KV bytes copied between tiers", cache.get("bytes_moved", {}),
+                            PROMOTIONS + DEMOTIONS)
+        evictions = CounterMetricFamily("hicache_evictions", "Pages dropped from a tier", labels=["tier"])
+        for tier in TIERS:
+            evictions.add_metric([tier], cache.get("evictions", {}).get(tier, 0))
+        yield evictions
+        drops = CounterMetricFamily("hicache_dropped_pages", "Pages not backed up or not loaded, by reason",
+                                    labels=["reason"])
+        for reason, n in sorted(cache.get("drops", {}).items()):
+            drops.add_metric([reason], n)
+        yield drops
+        yield CounterMetricFamily("hicache_l3_load_failures", "L3 reads that missed or failed verification",
+                                  value=cache.get("load_failures", 0))
+        yield from self._tiers(s.get("tiers", {}))
+        yield from self._l3()
+        yield from self._scheduler(s)
+
+    def _tiers(self, tiers: dict[str, dict[str, int]]) -> Iterator[Metric]:
+        families = {
+            "used_pages": GaugeMetricFamily("hicache_tier_used_pages", "Pages in use per tier", labels=["tier"]),
+            "capacity_pages": GaugeMetricFamily("hicache_tier_capacity_pages", "Capacity per tier in pages",
+                                                labels=["tier"]),
+            "used_bytes": GaugeMetricFamily("hicache_tier_used_bytes", "KV bytes in use per tier", labels=["tier"]),
+            "capacity_bytes": GaugeMetricFamily("hicache_tier_capacity_bytes", "Capacity per tier in bytes",
+                                                labels=["tier"]),
+        }
+        for tier in TIERS:
+            usage = tiers.get(tier, {"used": 0, "capacity": 0})  # a disabled tier has capacity 0
+            families["used_pages"].add_metric([tier], usage["used"])
+            families["capacity_pages"].add_metric([tier], usage["capacity"])
+            families["used_bytes"].add_metric([tier], usage["used"] * self.page_bytes)
+            families["capacity_bytes"].add_metric([tier], usage["capacity"] * self.page_bytes)
+        yield from families.values()
+
+    def _l3(self) -> Iterator[Metric]:
+        l3 = self.l3
+        state = l3["state"] if l3 else "disabled"
+        family = GaugeMetricFamily("hicache_l3_state", "L3 store state (1 for the current one)", labels=["state"])
+        for name in sorted(set(L3_STATES) | {state}):
+            family.add_metric([name], 1.0 if name == state else 0.0)
+        yield family
+        backend = GaugeMetricFamily("hicache_l3_io_backend", "The L3 store's I/O path (1 for the active one)",
+                                    labels=["backend"])
+        backend.add_metric([l3["io_backend"] if l3 else "none"], 1.0)
+        yield backend
+        if l3:
+            ops = CounterMetricFamily("hicache_l3_operations", "L3 store counters", labels=["op"])
+            for name in L3_COUNTERS:
+                ops.add_metric([name], l3.get(name, 0))
+            yield ops
+
+    def _scheduler(self, s: dict[str, Any]) -> Iterator[Metric]:
+        yield GaugeMetricFamily("hicache_queue_depth", "Requests waiting for admission or for their prefix to load",
+                                value=s.get("queue_depth", 0))
+        requests = GaugeMetricFamily("hicache_num_requests", "Requests in the engine by state", labels=["state"])
+        for state, n in sorted(s.get("requests", {}).items()):
+            requests.add_metric([state], n)
+        yield requests
+        yield CounterMetricFamily("hicache_preemptions", "Requests preempted for GPU pages",
+                                  value=s.get("preemptions", 0))
+        engine = s.get("engine", {})
+        yield CounterMetricFamily("hicache_engine_steps", "Engine forward steps", value=engine.get("steps", 0))
+        yield CounterMetricFamily("hicache_computed_prefill_tokens", "Prompt tokens computed (not served by cache)",
+                                  value=engine.get("prefill_tokens", 0))
+        yield CounterMetricFamily("hicache_computed_decode_tokens", "Tokens decoded",
+                                  value=engine.get("decode_tokens", 0))
+
+
+class ServerMetrics:
+    """The server's registry: the cache collector plus request histograms and counters."""
+
+    def __init__(self, page_bytes: int):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.cache = CacheCollector(page_bytes)
+        self.registry.register(self.cache)
+        r = self.registry
+        self.ttft = Histogram("hicache_time_to_first_token_seconds", "Time from request arrival to the first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.latency = Histogram("hicache_e2e_request_latency_seconds", "Time from request arrival to its end",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("hicache_requests", "Finished requests by finish reason", ["finish_reason"],
+                                registry=r)
+        self.request_prompt_tokens = Counter("hicache_request_prompt_tokens", "Prompt tokens of finished requests",
+                                             registry=r)
+        self.request_cached_tokens = Counter("hicache_request_cached_tokens",
+                                             "Prompt tokens of finished requests served from each tier", ["tier"],
+                                             registry=r)
+        self.generation_tokens = Counter("hicache_generation_tokens", "Tokens generated", registry=r)
+        self.in_flight = Gauge("hicache_http_requests_in_flight", "Generation requests being served", registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)
+        for tier in TIERS:
+            self.request_cached_tokens.labels(tier)
+
+    def render(self, stats: dict[str, Any], l3: dict[str, Any] | None) -> bytes:
+        """The exposition text for these stats."""
+        self.cache.stats, self.cache.l3 = stats, l3
+        return generate_latest(self.registry)
