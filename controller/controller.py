@@ -349,6 +349,8 @@ class TierController:
         earlier (full queue, or the L3 admission rule, which counts these hits)."""
         hits = self.policy.selective_hits
         for node in nodes:
+            if self.host is not None and node.loc[1] is None and self.policy.device_to_host == "write_through":
+                self._backup_to_host(node)  # its host copy was evicted while the GPU kept it: copy it again
             if self.l3 is not None and node.loc[1] is not None and node.loc[2] is None and (
                 self.policy.host_to_disk == "write_through"
             ):
