@@ -1,0 +1,1 @@
+"""Benchmark clients for OpenAI-compatible servers (`hicache bench ...`): httpx and the stdlib only."""
