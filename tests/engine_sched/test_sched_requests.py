@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sched_helpers import assert_no_leaks, make_engine, run_all
+from sched_helpers import assert_no_leaks, make_engine, run_all, settle_l3
 
 from hicache.engine.params import SamplingParams
 from hicache.engine.runner import AsyncEngine
@@ -132,3 +132,27 @@ def test_invalid_params_raise():
     with pytest.raises(ValueError, match="unknown"):
         SamplingParams.of(None, max_token=3)
     assert SamplingParams(stop="x").stop == ("x",)
+
+
+def test_failed_l3_read_is_recomputed(tiny, tmp_path):
+    engine = make_engine(
+        tiny, cache__page_size=4, cache__device__size_tokens=64, cache__host__size_tokens=64,
+        cache__l3__path=str(tmp_path / "l3"), cache__l3__size_gib=None, cache__l3__size_tokens=1024,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", prompt(1, 33), greedy)
+    first = run_all(engine)["a"][0]
+    for i in range(2, 8):  # push A out of GPU and host: it is left on L3 only
+        engine.add_request(f"push{i}", prompt(i, 33), greedy)
+        run_all(engine)
+    settle_l3(engine)
+    store = engine.ctrl.l3
+    real_read = store.read_pages
+    store.read_pages = lambda keys, out, *args, **kwargs: [False] * len(keys)  # every page fails verification
+    engine.add_request("again", prompt(1, 33), greedy)
+    ids, _, out = run_all(engine)["again"]
+    store.read_pages = real_read
+    assert engine.stats()["cache"]["load_failures"] >= 1
+    assert out.usage.cached_tokens["disk"] == 0
+    assert ids == first
+    assert_no_leaks(engine)
