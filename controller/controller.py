@@ -78,13 +78,27 @@ class WritePolicy:
 
 @dataclass
 class LoadTicket:
-    """A request's claim on a cached prefix: the locked path and the loads it waits for."""
+    """A request's claim on a cached prefix: the deepest locked node and the loads it waits for.
 
-    nodes: list[TreeNode]  # the used prefix, root excluded
+    The prefix is the path from the root to `node`, recomputed on each use: another request's match
+    may split a node on a locked path, which adds nodes to the path but never moves its end.
+    """
+
     node: TreeNode  # deepest locked node (the root when nothing is cached)
     matched_pages: int  # pages the tree (and L3) had
     hit_pages: dict[str, int] = field(default_factory=dict)  # pages used per fastest tier at match time
     released: bool = False
+
+    @property
+    def nodes(self) -> list[TreeNode]:
+        """The used prefix, root excluded, in order."""
+        path = []
+        node = self.node
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
 
     @property
     def num_pages(self) -> int:
@@ -198,13 +212,14 @@ class TierController:
             want = min(want, max_pages)
         nodes = self._cut(usable, want)
         tiers = [DEVICE if n.loc[0] is not None else HOST if n.loc[1] is not None else DISK for n in nodes]
-        ticket = LoadTicket(nodes, nodes[-1] if nodes else self.tree.root, m.num_pages)
+        ticket = LoadTicket(nodes[-1] if nodes else self.tree.root, m.num_pages)
         self.tree.lock(ticket.node)
         for i, node in enumerate(nodes):
             if node.loc[0] is None and not self._load_node(node):
-                self._truncate(ticket, i)
+                self._truncate(ticket, nodes[i - 1] if i else self.tree.root)
+                nodes = nodes[:i]
                 break
-        for node, tier in zip(ticket.nodes, tiers):
+        for node, tier in zip(nodes, tiers):
             ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
         for tier, pages in ticket.hit_pages.items():
             self.stats.hit_tokens[tier] += pages * ps
@@ -224,12 +239,11 @@ class TierController:
             used += node.num_pages
         return out
 
-    def _truncate(self, ticket: LoadTicket, keep: int) -> None:
-        """Shorten the ticket to its first `keep` nodes, moving its lock."""
+    def _truncate(self, ticket: LoadTicket, node: TreeNode) -> None:
+        """Shorten the ticket's prefix to end at `node` (an ancestor), moving its lock."""
         old = ticket.node
-        ticket.nodes = ticket.nodes[:keep]
-        ticket.node = ticket.nodes[-1] if ticket.nodes else self.tree.root
-        self.tree.lock(ticket.node)
+        ticket.node = node
+        self.tree.lock(node)
         self.tree.unlock(old)
 
     def _load_node(self, node: TreeNode) -> bool:
@@ -325,7 +339,6 @@ class TierController:
         path.reverse()
         self.tree.lock(node)
         self.tree.unlock(ticket.node)
-        ticket.nodes = ticket.nodes + path
         ticket.node = node
         if self.host is not None:
             for n in path:
@@ -339,7 +352,7 @@ class TierController:
             raise ValueError("ticket released twice")
         ticket.released = True
         self.tree.unlock(ticket.node)
-        ticket.nodes = []
+        ticket.node = self.tree.root
         self._remove_invalid()
 
     # ------------------------------------------------------------------ write policies

@@ -19,7 +19,7 @@ from hicache.engine.model import ForwardBatch
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status, StepOutput
 from hicache.engine.sampling import make_generator, sample
-from hicache.engine.scheduler import Scheduler, sync_ticket
+from hicache.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,6 @@ class Engine:
             return outputs
         for req, _ in plan:
             if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream
-                sync_ticket(req.ticket, self.ctrl.tree.root)
                 self.ctrl.stream_wait(req.ticket)
                 req.needs_stream_wait = False
         start = time.perf_counter()

@@ -22,21 +22,6 @@ from hicache.engine.request import Request, Status
 logger = logging.getLogger(__name__)
 
 
-def sync_ticket(ticket: Any, root: Any) -> None:
-    """Rebuild ticket.nodes as the path root -> ticket.node.
-
-    A node on a locked path can be split by another request's match; the split inserts a new upper node
-    that an earlier list of nodes does not contain. The deepest node stays valid, so walk up from it.
-    """
-    path = []
-    node = ticket.node
-    while node is not root and node is not None:
-        path.append(node)
-        node = node.parent
-    path.reverse()
-    ticket.nodes = path
-
-
 class Scheduler:
     """Owns the request queues and every page a request holds; see the module doc."""
 
@@ -199,7 +184,6 @@ class Scheduler:
         full = req.computed // self.page_size
         if full <= req.committed_pages:
             return
-        sync_ticket(req.ticket, self.ctrl.tree.root)
         canonical = self.ctrl.commit(req.ticket, req.token_ids[: full * self.page_size], req.pages[:full])
         req.pages[:full] = canonical
         req.committed_pages = full
