@@ -1,0 +1,101 @@
+"""Bad input gets OpenAI error objects: 400 malformed or impossible, 401 without the key, 404, 413."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MODEL = "random:tiny"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", timeout=30, **kwargs)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def test_malformed_json(server) -> None:
+    r = post(server, "/v1/chat/completions", content=b'{"model": "random:tiny", "messages": [',
+             headers={"content-type": "application/json"})
+    assert "JSON" in assert_error(r, 400)["message"]
+    assert_error(post(server, "/v1/completions", content=b"[1, 2]"), 400)  # not an object
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", "hot"), ("max_tokens", "many"), ("messages", "hi"), ("stream", {"a": 1}), ("stop", 5),
+    ("top_p", [1]), ("seed", 1.5), ("stream_options", 3),
+])
+def test_known_field_of_wrong_type(server, field, value) -> None:
+    err = assert_error(post(server, "/v1/chat/completions", json={**CHAT, field: value}), 400)
+    assert err["param"].split(".")[0] == field
+
+
+def test_missing_required_field(server) -> None:
+    assert_error(post(server, "/v1/chat/completions", json={"model": MODEL}), 400, param="messages")
+    assert_error(post(server, "/v1/completions", json={"model": MODEL}), 400, param="prompt")
+
+
+def test_unknown_fields_are_ignored(server) -> None:
+    r = post(server, "/v1/chat/completions", json={**CHAT, "some_future_option": {"x": 1}, "user": "u1"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", 0), ("max_tokens", 0), ("max_tokens", -5),
+    ("n", 2), ("seed", -1), ("presence_penalty", 1.0), ("logprobs", True), ("stop", [""]),
+])
+def test_impossible_sampling_parameters(server, field, value) -> None:
+    err = assert_error(post(server, "/v1/chat/completions", json={**CHAT, field: value}), 400)
+    assert field in err["message"]
+
+
+def test_prompt_longer_than_context(server) -> None:
+    r = post(server, "/v1/completions", json={"model": MODEL, "prompt": "x" * 3000, "max_tokens": 1})
+    assert_error(r, 400, code="context_length_exceeded")
+    r = post(server, "/v1/completions", json={"model": MODEL, "prompt": "x" * 1000, "max_tokens": 1500})
+    assert_error(r, 400, code="context_length_exceeded")
+
+
+def test_bad_prompts(server) -> None:
+    assert_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": ""}), 400, param="prompt")
+    assert_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": [1, 99999]}), 400, param="prompt")
+    assert_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}), 400, param="prompt")
+    bad_part = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    assert_error(post(server, "/v1/chat/completions", json=bad_part), 400)
+
+
+def test_unknown_model_and_path(server) -> None:
+    assert_error(post(server, "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}), 404, code="model_not_found")
+    assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+
+
+def test_body_too_large(start_server) -> None:
+    srv = start_server("--model", "random:tiny", "--device", "cpu", "--no-l3", "--load-mode", "always",
+                       "--max-body-bytes", "2000")
+    assert_error(post(srv, "/v1/completions", json={"model": MODEL, "prompt": "y" * 3000}), 413)
+    assert post(srv, "/v1/completions", json={"model": MODEL, "prompt": "y" * 100, "max_tokens": 1}).status_code == 200
+
+
+def test_api_key(start_server) -> None:
+    srv = start_server("--model", "random:tiny", "--device", "cpu", "--no-l3", "--load-mode", "always",
+                       env={"HICACHE_API_KEY": "s3cret"})
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        assert_error(post(srv, "/v1/chat/completions", json=CHAT, headers=headers), 401, code="invalid_api_key")
+        assert_error(httpx.get(f"{srv.url}/v1/models", headers=headers), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+    assert good.chat.completions.create(**CHAT).usage.completion_tokens >= 1
+    assert httpx.get(f"{srv.url}/health").status_code == 200  # health and metrics stay open for probes
+    assert httpx.get(f"{srv.url}/metrics").status_code == 200
