@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from hicache.config import Config, ServerConfig, load_config, override, set_tier_tokens
@@ -75,6 +79,21 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     import uvicorn  # the server stack and torch load only when the command runs
 
+    class _Server(uvicorn.Server):
+        """uvicorn's server, but a drained SIGTERM/SIGINT ends with exit code 0 (uvicorn re-raises the signal)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
     from hicache.engine.builder import build_engine
     from hicache.engine.runner import AsyncEngine
     from hicache.server.app import create_app
@@ -87,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                                 timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
         logger.info("serving %s on http://%s:%d (auth %s)", cfg.model.name, s.host, s.port,
                     "on" if s.api_key else "off")
-        uvicorn.Server(config).run()
+        _Server(config).run()
     finally:
         engine.shutdown()  # already done by the app's shutdown unless startup failed
     return 0
