@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+DEFAULT_L3_GIB = 1.0
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 LOAD_POLICIES = ("auto", "always", "never")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,7 +47,7 @@ class TierSize:
 @dataclass(frozen=True)
 class L3Config:
     path: str | None = None  # directory of the NVMe store; None disables the disk tier
-    size_gib: float | None = 1.0
+    size_gib: float | None = None  # give one of size_gib / size_tokens; neither: DEFAULT_L3_GIB
     size_tokens: int | None = None
     io_backend: Literal["auto", "kvikio", "posix", "buffered"] = "auto"
     io_threads: int = 4
@@ -183,8 +184,10 @@ def _positive(value: float | int | None, key: str, source: str, allow_zero: bool
         raise ConfigError(f"{source}: {key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
-def _check_size(size: Any, key: str, source: str, allow_zero: bool) -> None:
+def _check_size(size: Any, key: str, source: str, allow_zero: bool, optional: bool = False) -> None:
     given = [name for name in ("size_gib", "size_tokens") if getattr(size, name) is not None]
+    if optional and not given:
+        return
     if len(given) != 1:
         raise ConfigError(f"{source}: {key}: give exactly one of size_gib, size_tokens (got {given or 'none'})")
     _positive(getattr(size, given[0]), f"{key}.{given[0]}", source, allow_zero)
@@ -200,7 +203,7 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     if c.l3.path is not None:
         if not c.l3.path.strip():
             raise ConfigError(f"{source}: cache.l3.path: must not be empty (use null to disable the disk tier)")
-        _check_size(c.l3, "cache.l3", source, allow_zero=True)
+        _check_size(c.l3, "cache.l3", source, allow_zero=True, optional=True)
     _positive(c.l3.io_threads, "cache.l3.io_threads", source)
     _positive(c.l3.queue_pages, "cache.l3.queue_pages", source)
     _positive(c.l3.sync_batch_pages, "cache.l3.sync_batch_pages", source)
@@ -312,7 +315,8 @@ def resolve_sizes(cfg: Config, kv_bytes_per_token: int) -> ResolvedSizes:
     host = _pages(c.host.size_gib, c.host.size_tokens, c.page_size, page_bytes)
     disk = 0
     if c.l3.path is not None:
-        disk = _pages(c.l3.size_gib, c.l3.size_tokens, c.page_size, page_bytes)
+        gib = c.l3.size_gib if c.l3.size_gib is not None or c.l3.size_tokens is not None else DEFAULT_L3_GIB
+        disk = _pages(gib, c.l3.size_tokens, c.page_size, page_bytes)
     return ResolvedSizes(c.page_size, page_bytes, device, host, disk)
 
 

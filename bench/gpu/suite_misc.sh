@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 7 targets 5 and 6, on one H200 with Llama-3.1-8B shapes.
+# 5: no reuse: single-turn random prompts (2k in / 256 out x 32, and 32k in / 8 out x 8), all tiers on vs off.
+# 6: a prefix on L3 vs recomputing it: auto (cost model), always-load, and tiers off.
+set -u
+cd "$(dirname "$0")/../.."
+nr() {  # name port serve-flags clients in out
+  bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3" \
+    "python3 -m hicache.cli bench multiturn --url \$URL --clients $4 --rounds 1 --request-length $5 --output-length $6 --seed 7 --json \$OUT/$1.json" 2>&1 | tail -4
+}
+ON="--device-tokens 262144 --host-tokens 393216 --disk-tokens 196608 --l3-path /tmp/hicache-l3-nr"
+OFF="--device-tokens 262144 --host-tokens 0 --no-l3"
+rm -rf /tmp/hicache-l3-nr
+nr nr2k_off 8201 "$OFF" 32 2048 256
+nr nr2k_on 8202 "$ON" 32 2048 256
+rm -rf /tmp/hicache-l3-nr
+nr nr32k_off 8203 "$OFF" 8 32768 8
+nr nr32k_on 8204 "$ON" 8 32768 8
+rm -rf /tmp/hicache-l3-nr
+L3R="python3 bench/gpu/l3_vs_recompute.py --url \$URL --prefix-tokens 8192 --evictors 6"
+SMALL="--device-tokens 16384 --host-tokens 16384 --disk-tokens 131072"
+for mode in auto always; do
+  rm -rf /tmp/hicache-l3-r
+  bash bench/gpu/serve_and_bench.sh "l3r_$mode" $((8300 + ${#mode})) "$SMALL --l3-path /tmp/hicache-l3-r --load-mode $mode" \
+    "$L3R --json \$OUT/l3r_$mode.json" 2>&1 | grep -E '"ttft_s"|==' 
+done
+bash bench/gpu/serve_and_bench.sh l3r_off 8399 "--device-tokens 16384 --host-tokens 0 --no-l3" \
+  "$L3R --json \$OUT/l3r_off.json" 2>&1 | grep -E '"ttft_s"|=='
