@@ -1,4 +1,5 @@
-"""The OpenAI wire format at the HTTP edge: request models (pydantic), error objects, response bodies.
+"""The OpenAI wire format at the HTTP edge: request models (pydantic) and their parsing into engine inputs
+(body size limit, JSON, validation, sampling parameters), error objects, response bodies.
 
 Unknown fields are ignored, as OpenAI does; known fields with the wrong type fail validation (400).
 hicache extensions: `ignore_eos`, `top_k`, `stop_token_ids` in requests; in `usage.prompt_tokens_details`
@@ -7,11 +8,14 @@ hicache extensions: `ignore_eos`, `top_k`, `stop_token_ids` in requests; in `usa
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
 
+from hicache.engine.params import SamplingParams
 from hicache.engine.request import TIER_NAMES, Usage
 
 
@@ -140,3 +144,82 @@ def usage_chunk(request_id: str, model: str, created: int, usage: Usage, chat: b
 def now() -> int:
     return int(time.time())
 
+
+# ---------------------------------------------------------------------- parsing requests
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON; 413 beyond `limit` bytes, 400 if it is not JSON."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body is {length} bytes; the limit is {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+
+
+def validate(model: type[BaseModel], data: Any) -> Any:
+    """data as `model`, or a 400 naming the first bad field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(part) for part in err["loc"]) or None
+        raise APIError(400, f"{param or 'body'}: {err['msg']}", param=param) from None
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
+    """The engine's SamplingParams for a request; 400 for unsupported or impossible values."""
+    unsupported = {"n": req.n != 1, "logprobs": bool(req.logprobs),
+                   "presence_penalty": req.presence_penalty != 0, "frequency_penalty": req.frequency_penalty != 0}
+    if isinstance(req, CompletionRequest):
+        unsupported.update(echo=req.echo, best_of=req.best_of not in (None, 1), suffix=bool(req.suffix))
+    for name, bad in unsupported.items():
+        if bad:
+            raise APIError(400, f"{name}={getattr(req, name)!r} is not supported", param=name)
+    values: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "seed": req.seed}
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(req, name) is not None:
+            values[name] = getattr(req, name)
+    if req.stop is not None:
+        values["stop"] = req.stop
+    if req.stop_token_ids is not None:
+        values["stop_token_ids"] = tuple(req.stop_token_ids)
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        param = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=param if param in values else None) from None
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them: text content only."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages.{i}.content: only text parts are supported",
+                                     param=f"messages.{i}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completion request (text or token ids)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, f"got {len(prompt)} prompts; one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    return prompt
