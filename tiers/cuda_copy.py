@@ -100,6 +100,13 @@ class CudaPageCopier:
         for ev in self.staging_free:
             ev.record(self.shuffle_stream)
 
+    def _keep(self, *tensors: torch.Tensor | None) -> None:
+        """Tell the caching allocator these compute-stream tensors are in use on the copier's streams."""
+        for t in tensors:
+            if t is not None:
+                t.record_stream(self.copy_stream)
+                t.record_stream(self.shuffle_stream)
+
     def _index(self, pages: Sequence[int]) -> torch.Tensor:
         index = torch.as_tensor(list(pages), dtype=torch.long).pin_memory()
         return index.to(self.device_pool.device, non_blocking=True)
@@ -113,11 +120,12 @@ class CudaPageCopier:
             raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
         kv, host = self.device_pool.kv, self.host_pool.buffer
         compute = torch.cuda.current_stream()
+        dev_index = self._index(device_pages)  # uploaded on the compute stream: order it before the waits
+        host_index = self._index(host_pages) if self.host_alias is not None else None
         self.copy_stream.wait_stream(compute)  # pages being overwritten may still be read by compute
         self.shuffle_stream.wait_stream(compute)
-        dev_index = self._index(device_pages)
+        self._keep(dev_index, host_index)
         if self.host_alias is not None:
-            host_index = self._index(host_pages)
             with torch.cuda.stream(self.copy_stream):
                 pages = self.host_alias.index_select(0, host_index)  # kernel reads host memory over PCIe
                 kv.index_copy_(2, dev_index, pages.permute(1, 2, 0, 3, 4, 5))
@@ -147,11 +155,12 @@ class CudaPageCopier:
             raise ValueError(f"to_host: {len(device_pages)} device pages vs {len(host_pages)} host pages")
         kv, host = self.device_pool.kv, self.host_pool.buffer
         compute = torch.cuda.current_stream()
+        dev_index = self._index(device_pages)  # uploaded on the compute stream: order it before the waits
+        host_index = self._index(host_pages) if self.host_alias is not None else None
         self.shuffle_stream.wait_stream(compute)  # the KV being saved was written by compute
         self.copy_stream.wait_stream(compute)
-        dev_index = self._index(device_pages)
+        self._keep(dev_index, host_index)
         if self.host_alias is not None:
-            host_index = self._index(host_pages)
             with torch.cuda.stream(self.copy_stream):
                 pages = kv.index_select(2, dev_index).permute(2, 0, 1, 3, 4, 5)
                 self.host_alias.index_copy_(0, host_index, pages)  # kernel writes host memory over PCIe

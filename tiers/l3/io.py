@@ -230,6 +230,10 @@ class KvikioSlotIO:
 def set_kvikio_threads(kvikio, threads: int) -> None:
     """Raise kvikio's I/O thread pool to `threads` (its default of 1 leaves the disk idle)."""
     try:
+        import kvikio.defaults  # a submodule: not loaded by `import kvikio`
+    except ImportError:
+        return
+    try:
         current = kvikio.defaults.num_threads()
         if current < threads:
             kvikio.defaults.set("num_threads", threads)
