@@ -22,6 +22,9 @@ from hicache.engine.request import Request, Status
 logger = logging.getLogger(__name__)
 
 
+DECODE_RESERVE_TOKENS = 256  # decode room counted at admission (longer outputs may still preempt)
+
+
 class Scheduler:
     """Owns the request queues and every page a request holds; see the module doc."""
 
@@ -95,15 +98,29 @@ class Scheduler:
                 self.draining.remove(req)
                 self.ctrl.release(req.ticket)
 
+    def _pages_needed(self, req: Request) -> int:
+        """GPU pages req will hold: its whole prompt (cached prefix loaded + the rest computed) and some
+        decode room. Admission keeps the sum over admitted requests within the pool, so a prefix loaded
+        from host or L3 is not cut short (and recomputed) for lack of GPU pages, and preemption stays rare."""
+        decode = min(req.max_tokens - req.num_output, DECODE_RESERVE_TOKENS)
+        return -(-(len(req.token_ids) + max(decode, 0)) // self.page_size)
+
     def _admit(self) -> None:
-        backlog = sum(len(r.token_ids) - r.computed - 1 for r in self.running + self.loading)
+        admitted = self.running + self.loading
+        backlog = sum(len(r.token_ids) - r.computed - 1 for r in admitted)
+        reserved = sum(self._pages_needed(r) for r in admitted)
+        capacity = self.ctrl.device.capacity_pages
         while self.waiting and len(self.running) + len(self.loading) < self.max_running:
             if backlog >= self.chunk_tokens or (self._starved and (self.running or self.loading)):
                 break
+            need = self._pages_needed(self.waiting[0])
+            if (self.running or self.loading) and reserved + need > capacity:
+                break  # wait for pages rather than thrash; a request alone is always admitted
             req = self.waiting.pop(0)
             req.admitted_seq = next(self._admissions)
             self._acquire(req)
             backlog += len(req.token_ids) - req.computed - 1
+            reserved += need
 
     def _acquire(self, req: Request) -> None:
         """Claim the cached prefix (at least one token is left to compute, for the logits)."""

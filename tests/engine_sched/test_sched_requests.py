@@ -23,8 +23,22 @@ def solo(tiny, tokens: list[int], params: SamplingParams) -> list[int]:
     return run_all(engine)["solo"][0]
 
 
-def test_preemption_resumes_from_cache(tiny):
+def test_admission_keeps_admitted_requests_within_the_pool(tiny):
+    # 4 requests of 30 + 40 tokens need ~18 pages each; the pool has 30: admission runs them one after
+    # another instead of admitting all and preempting
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=120, cache__host__size_tokens=512)
+    for i in range(4):
+        engine.add_request(f"p{i}", prompt(i, 30), LONG)
+    results = run_all(engine)
+    assert engine.stats()["preemptions"] == 0
+    assert all(len(results[f"p{i}"][0]) == 40 for i in range(4))
+    assert_no_leaks(engine)
+
+
+def test_preemption_resumes_from_cache(tiny, monkeypatch):
+    # admission counts only 4 decode tokens per request, so decode growth runs out of pages:
     # 4 requests of 30 + 40 tokens need ~18 pages each; the pool has 30: the newest get preempted
+    monkeypatch.setattr("hicache.engine.scheduler.DECODE_RESERVE_TOKENS", 4)
     engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=120, cache__host__size_tokens=512)
     for i in range(4):
         engine.add_request(f"p{i}", prompt(i, 30), LONG)

@@ -9,7 +9,9 @@ from sched_helpers import assert_no_leaks, make_engine
 from hicache.engine.params import SamplingParams
 
 
-def test_mixed_workload_all_tiers(tiny, tmp_path):
+def test_mixed_workload_all_tiers(tiny, tmp_path, monkeypatch):
+    # admission reserves little decode room, so decode growth also exercises preemption
+    monkeypatch.setattr("hicache.engine.scheduler.DECODE_RESERVE_TOKENS", 2)
     engine = make_engine(
         tiny, cache__page_size=4, cache__device__size_tokens=160, cache__host__size_tokens=192,
         cache__l3__path=str(tmp_path / "l3"), cache__l3__size_gib=None, cache__l3__size_tokens=320,
