@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hicache: config error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. the L3 store path: missing parent, not a directory, not writable, in use
+        if e.__class__.__module__.startswith("tiers.l3"):
+            print(f"hicache: L3 store error: {e.strerror or e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

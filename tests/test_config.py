@@ -64,3 +64,29 @@ def test_cli_config_command(tmp_path, capsys):
     assert main(["config", str(bad)]) == 2
     assert "invalid YAML" in capsys.readouterr().err
     assert main(["config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_cli_reports_bad_l3_path_cleanly(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code = main(["generate", "--model", "random:tiny", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1",
+                 "--l3-path", str(afile)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "L3 store error" in err and str(afile) in err and "not a directory" in err
+    code = main(["generate", "--model", "random:tiny", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1",
+                 "--l3-path", str(tmp_path / "missing" / "x")])
+    assert code == 2 and "parent directory" in capsys.readouterr().err
+
+
+def test_l3_inspect_cli(tmp_path, capsys):
+    from tiers.l3 import L3Store
+
+    with L3Store(tmp_path / "s", 8 * 4096, 4096, bytes(16)) as store:
+        import torch
+
+        assert store.write_pages([b"k" * 16], [torch.full((4096,), 7, dtype=torch.uint8)]) == [True]
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "s"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "pages" in out and "1 / 8" in out
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "nothing")]) == 2
