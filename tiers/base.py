@@ -57,6 +57,21 @@ class PagePool(PageStore, Protocol):
     def write_pages(self, pages: Sequence[int], data: Any) -> None: ...
 
 
+class AllocatorBacked:
+    """allocate / free / used_pages of a pool, delegated to its `allocator` (shared by the pools)."""
+
+    allocator: PageAllocator
+
+    def allocate(self, n: int) -> list[int] | None:
+        return self.allocator.allocate(n)
+
+    def free(self, pages: Sequence[int]) -> None:
+        self.allocator.free(pages)
+
+    def used_pages(self) -> int:
+        return self.allocator.used_pages
+
+
 class PageAllocator:
     """Free list of page ids [0, capacity) that detects double allocation and double free."""
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from tiers.base import KVLayout, PageAllocator
+from tiers.base import AllocatorBacked, KVLayout, PageAllocator
 
 
-class DevicePool:
+class DevicePool(AllocatorBacked):
     """Paged KV storage on any torch device, laid out layer-first so attention reads one layer at once."""
 
     def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype, device: torch.device | str):
@@ -27,15 +27,6 @@ class DevicePool:
             device=self.device,
         )
         self.allocator = PageAllocator(num_pages, "device")
-
-    def allocate(self, n: int) -> list[int] | None:
-        return self.allocator.allocate(n)
-
-    def free(self, pages: Sequence[int]) -> None:
-        self.allocator.free(pages)
-
-    def used_pages(self) -> int:
-        return self.allocator.used_pages
 
     def index(self, pages: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(list(pages), dtype=torch.long, device=self.device)

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from tiers.base import KVLayout, PageAllocator
+from tiers.base import AllocatorBacked, KVLayout, PageAllocator
 
 logger = logging.getLogger(__name__)
 
 
-class HostPool:
+class HostPool(AllocatorBacked):
     """Page-first KV storage in host memory, pinned when CUDA is available.
 
     `buffer` is [pages][layers][k|v][page_size][kv_heads][head_dim]; `page_view(i)` is page i as a
@@ -35,15 +35,6 @@ class HostPool:
         self._bytes = self.buffer.view(num_pages, -1).view(torch.uint8)
         self.allocator = PageAllocator(num_pages, "host")
         logger.info("host pool: %d pages x %d bytes, pinned=%s", num_pages, self.page_bytes, pin_memory)
-
-    def allocate(self, n: int) -> list[int] | None:
-        return self.allocator.allocate(n)
-
-    def free(self, pages: Sequence[int]) -> None:
-        self.allocator.free(pages)
-
-    def used_pages(self) -> int:
-        return self.allocator.used_pages
 
     def page_view(self, page: int) -> torch.Tensor:
         """Page `page` as a contiguous 1-D uint8 tensor sharing the pool's memory."""

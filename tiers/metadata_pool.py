@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tiers.base import PageAllocator
+from tiers.base import AllocatorBacked, PageAllocator
 
 
-class MetadataPool:
+class MetadataPool(AllocatorBacked):
     """Allocates page ids for `capacity_pages` pages of `page_bytes` each, stores nothing."""
 
     def __init__(self, capacity_pages: int, page_bytes: int, name: str = "metadata"):
@@ -16,15 +16,6 @@ class MetadataPool:
         self.page_bytes = page_bytes
         self.capacity_pages = capacity_pages
         self.allocator = PageAllocator(capacity_pages, name)
-
-    def allocate(self, n: int) -> list[int] | None:
-        return self.allocator.allocate(n)
-
-    def free(self, pages: Sequence[int]) -> None:
-        self.allocator.free(pages)
-
-    def used_pages(self) -> int:
-        return self.allocator.used_pages
 
     def read_pages(self, pages: Sequence[int]) -> Any:
         return None
