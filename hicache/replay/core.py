@@ -4,8 +4,9 @@ Each trace block is one page: the tree runs with page_size=1 and a block's hash 
 "token" of its page, so tier capacities are in blocks (tokens // block_tokens). Per request:
 acquire the cached prefix (every matched block counts: no max_pages, except for a server trace
 log, where the server leaves the last prompt token to compute), wait for its loads, allocate GPU
-pages for the new blocks, commit, release. The controller credits each used block to the
-fastest tier that held it.
+pages for the new blocks (a trace log: also the pages the server held for the partial prompt page
+and the generated tokens, freed after the request), commit, release. The controller credits each
+used block to the fastest tier that held it.
 
 A request whose blocks do not all fit on the GPU (its cached prefix is locked there, everything
 else is evictable) commits the leading new blocks that fit; the rest are not cached anywhere
@@ -140,13 +141,20 @@ class Replayer:
         usable = n if max_pages is None else min(n, max_pages)
         matched_not_served = max(0, min(ticket.matched_pages, usable) - used)
         new = n - used
-        pages = ctrl.alloc_device(new) if new else []
+        # a server also holds GPU pages for the prompt's partial last page and the generated tokens (all
+        # but the last are computed): tokens [n * bt, input_length + output_length - 1), freed at the end
+        tail = -(-(rec.input_length + max(rec.output_length, 1) - 1) // bt) - n if server_log else 0
+        pages = ctrl.alloc_device(new + tail) if new + tail else []
         if pages is None:  # blocks [used, n) do not all fit: commit the leading ones that do
             room = ctrl.device.capacity_pages - used
             pages = (ctrl.alloc_device(room) if room > 0 else None) or []
+        private = pages[new:]
+        pages = pages[:new]
         if pages:
             ctrl.commit(ticket, ids[: used + len(pages)], ticket.device_pages() + pages)
         ctrl.release(ticket)
+        if private:
+            ctrl.free_device(private)
         ctrl.poll()  # apply this request's L3 writes now, so the tree is settled between requests
 
         hit_blocks = dict.fromkeys(TIERS, 0)
