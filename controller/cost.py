@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from radix import DEVICE, DISK, HOST
+
+
+class LoadPlan(NamedTuple):
+    """How to use a matched prefix of pages: load [0, k), compute [k, s) while [s, n) loads, then go on
+    from page n. Without a gap (k == s) it is the one-cut plan: k == s == n."""
+
+    k: int
+    s: int
+    n: int
 
 
 @dataclass(frozen=True)
@@ -15,6 +26,9 @@ class CostModel:
     mode "always" loads every cached page, "never" uses only pages already on GPU, "auto" picks
     the prefix length that minimises estimated time (loading page i saves compute_i - load_i).
     Unknown bandwidths or prefill speed (None) count as loading being free.
+
+    With `overlap` (mode "auto", costs known) `plan` may also split the prefix three ways: compute
+    some pages on the GPU while later ones load, so that both finish together (see `plan`).
     """
 
     page_size: int
@@ -24,6 +38,7 @@ class CostModel:
     host_to_device_bytes_per_s: float | None = None
     disk_to_device_bytes_per_s: float | None = None
     adaptive: bool = True  # update the disk bandwidth from measured reads (off when it was configured)
+    overlap: bool = False  # allow plans that compute a gap while the pages after it load
 
     def load_seconds(self, tier: str) -> float:
         if tier == DEVICE:
@@ -57,6 +72,82 @@ class CostModel:
                 best, best_saving = used, saving
         return best
 
+    def plan(self, page_tiers: Sequence[tuple[str, int]]) -> LoadPlan:
+        """The plan for a matched prefix, given (fastest tier, page count) runs in order.
+
+        Without overlap (or unknown costs, or mode other than "auto") it is the one-cut plan of
+        `pages_to_load`. With overlap the plan of least `finish_seconds` among: [0, k) loaded with k at
+        a run boundary, [k, s) computed while [s, n) loads, n at a run boundary, s balancing the two.
+        Pure load (s == k) comes back as (n, n, n), pure compute (s == n) as (k, k, k).
+        """
+        if not self._can_overlap(page_tiers):
+            k = self.pages_to_load(page_tiers)
+            return LoadPlan(k, k, k)
+        host, disk = self._load_prefix_sums(page_tiers)
+        bounds = [0]
+        for _, n in page_tiers:
+            bounds.append(bounds[-1] + n)
+        best: tuple[float, int, LoadPlan] | None = None
+        for k in bounds:
+            for n in bounds:
+                if n < k:
+                    continue
+                s = self._balance(host, disk, k, n)
+                for cand in {s, max(k, s - 1)}:
+                    t = self._finish(host, disk, bounds[-1], k, cand, n)
+                    key = (t, (cand - k) + (bounds[-1] - n), LoadPlan(k, cand, n))  # ties: compute less
+                    if best is None or key[:2] < best[:2]:
+                        best = key
+        k, s, n = best[2]
+        if s == k:
+            return LoadPlan(n, n, n)
+        if s == n:
+            return LoadPlan(k, k, k)
+        return LoadPlan(k, s, n)
+
+    def finish_seconds(self, page_tiers: Sequence[tuple[str, int]], plan: LoadPlan) -> float:
+        """Estimated seconds until every matched page's KV is on the GPU under `plan` (pages past n
+        recomputed after it). Host and disk loads run on separate links, in parallel with compute;
+        the gap's compute starts once [0, k) is loaded (it attends to those pages)."""
+        host, disk = self._load_prefix_sums(page_tiers)
+        return self._finish(host, disk, len(host) - 1, *plan)
+
+    def _can_overlap(self, page_tiers: Sequence[tuple[str, int]]) -> bool:
+        if not self.overlap or self.mode != "auto" or not self.prefill_tokens_per_s:
+            return False
+        tiers = {tier for tier, n in page_tiers if n}
+        return (HOST not in tiers or bool(self.host_to_device_bytes_per_s)) and (
+            DISK not in tiers or bool(self.disk_to_device_bytes_per_s)
+        )
+
+    def _load_prefix_sums(self, page_tiers: Sequence[tuple[str, int]]) -> tuple[list[float], list[float]]:
+        """Seconds to load pages [0, i) over the host link and over the disk link, for every i."""
+        host, disk = [0.0], [0.0]
+        for tier, n in page_tiers:
+            cost = self.load_seconds(tier)
+            for _ in range(n):
+                host.append(host[-1] + (cost if tier == HOST else 0.0))
+                disk.append(disk[-1] + (cost if tier == DISK else 0.0))
+        return host, disk
+
+    def _finish(self, host: list[float], disk: list[float], total: int, k: int, s: int, n: int) -> float:
+        compute = self.compute_seconds()
+        prefix = max(host[k], disk[k])  # [0, k) loaded
+        gap = prefix + (s - k) * compute  # [k, s) computed after it
+        tail = max(host[k] + host[n] - host[s], disk[k] + disk[n] - disk[s])  # [s, n) loads queue behind [0, k)
+        return max(gap, tail) + (total - n) * compute
+
+    def _balance(self, host: list[float], disk: list[float], k: int, n: int) -> int:
+        """The least s in [k, n] where computing [k, s) takes at least as long as loading [s, n)."""
+        compute = self.compute_seconds()
+        prefix = max(host[k], disk[k])
+
+        def gap_done_first(s: int) -> bool:  # False for small s, True from the balance point on
+            tail = max(host[k] + host[n] - host[s], disk[k] + disk[n] - disk[s])
+            return prefix + (s - k) * compute >= tail
+
+        return bisect.bisect_left(range(k, n + 1), True, key=gap_done_first) + k
+
     def describe(self) -> dict[str, object]:
         return {
             "mode": self.mode,
@@ -65,4 +156,5 @@ class CostModel:
             "disk_to_device_gbps": (self.disk_to_device_bytes_per_s or 0) / 1e9,
             "load_disk_page": self.load_seconds(DISK) < self.compute_seconds(),
             "adaptive": self.adaptive,
+            "overlap": self.overlap,
         }
