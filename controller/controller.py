@@ -11,6 +11,10 @@ A request's life here: `acquire(tokens)` matches, plans and starts loads and ret
 holding a lock; `ticket.ready()` says when its cached pages are usable; the caller computes the
 rest into pages from `alloc_device`; `commit(ticket, tokens, pages)` inserts them (write
 policies fire); `release(ticket)` drops the lock; `free_device` returns private pages.
+
+With `acquire(..., overlap=True)` the ticket may have a gap: pages [k, s) of the prefix are left for
+the caller to compute while [s, n) load; `commit_gap` adopts the computed pages, after which the
+ticket is an ordinary one (see LoadTicket).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 
-from controller.cost import CostModel
+from controller.cost import CostModel, LoadPlan
 from controller.l3_io import L3Worker
 from controller.stats import CacheStats
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode, page_keys
@@ -82,12 +86,18 @@ class LoadTicket:
 
     The prefix is the path from the root to `node`, recomputed on each use: another request's match
     may split a node on a locked path, which adds nodes to the path but never moves its end.
+
+    With a `gap` (k, s), pages [k, s) of the prefix are not loaded: the caller computes them into its
+    own pages (after [0, k) is ready: `prefix_ready`) while [s, n) loads, then hands them over with
+    `TierController.commit_gap`; pages past n need all of it (`ready`). Node boundaries at k and s
+    stay put (nodes are split, never merged), so the parts are found by page position.
     """
 
     node: TreeNode  # deepest locked node (the root when nothing is cached)
     matched_pages: int  # pages the tree (and L3) had
     hit_pages: dict[str, int] = field(default_factory=dict)  # pages used per fastest tier at match time
     released: bool = False
+    gap: tuple[int, int] | None = None  # pages [k, s) the caller computes; None once committed
 
     @property
     def nodes(self) -> list[TreeNode]:
@@ -105,16 +115,58 @@ class LoadTicket:
         return sum(n.num_pages for n in self.nodes)
 
     def device_pages(self) -> list[int]:
-        """GPU page ids of the used prefix, in order."""
+        """GPU page ids of the used prefix, in order (no gap left: see prefix_pages / tail_pages)."""
+        if self.gap is not None:
+            raise ValueError(f"ticket has an uncommitted gap {self.gap}: use prefix_pages and tail_pages")
         return [p for n in self.nodes for p in n.loc[0]]
+
+    def part(self, start: int, end: int) -> list[TreeNode]:
+        """The nodes of pages [start, end) of the prefix (start and end on node boundaries)."""
+        out, pos = [], 0
+        for node in self.nodes:
+            if start <= pos < end:
+                out.append(node)
+            pos += node.num_pages
+        return out
+
+    @property
+    def prefix_nodes(self) -> list[TreeNode]:
+        """The nodes before the gap (all of them without one)."""
+        return self.part(0, self.gap[0]) if self.gap is not None else self.nodes
+
+    def prefix_pages(self) -> list[int]:
+        """GPU page ids of pages [0, k)."""
+        return [p for n in self.prefix_nodes for p in n.loc[0]]
+
+    def tail_pages(self) -> list[int]:
+        """GPU page ids of pages [s, n), loading while the caller computes the gap (empty without one)."""
+        if self.gap is None:
+            return []
+        return [p for n in self.part(self.gap[1], self.num_pages) for p in n.loc[0]]
 
     @property
     def failed(self) -> bool:
         return any(n.pending is FAILED for n in self.nodes)
 
     def ready(self) -> bool:
-        """True once every page of the prefix is on the GPU (or a load failed: see `failed`)."""
+        """True once every page of the prefix is on the GPU (or a load failed: see `failed`); gap nodes
+        count as ready unless another request started loading them."""
         return all(n.pending is None or n.pending.done() for n in self.nodes)
+
+    def prefix_ready(self) -> bool:
+        """True once pages [0, k) are on the GPU (the gap may be computed then)."""
+        return all(n.pending is None or n.pending.done() for n in self.prefix_nodes)
+
+
+def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
+    """The (tier, pages) runs cut down to their first `pages` pages."""
+    out = []
+    for tier, n in runs:
+        if pages <= 0:
+            break
+        out.append((tier, min(n, pages)))
+        pages -= n
+    return out
 
 
 class TierController:
@@ -188,12 +240,14 @@ class TierController:
             self.tree.insert(suffix, keys[:found], tier=DISK, keys=keys[:found], start=node)
         return found
 
-    def acquire(self, tokens: Sequence[int], max_pages: int | None = None) -> LoadTicket:
+    def acquire(self, tokens: Sequence[int], max_pages: int | None = None, overlap: bool = False) -> LoadTicket:
         """Match tokens, decide how much of the cached prefix to use, lock it and start its loads.
 
         At most max_pages pages are used (callers keep at least one token to compute). Pages worth
         loading that are not on the GPU get GPU pages and copies; pages dearer to load than to
-        recompute are left for the caller to compute.
+        recompute are left for the caller to compute. With `overlap` (a caller that handles gaps) and
+        a cost model that allows it, the ticket may have a gap [k, s): those nodes are locked but not
+        loaded; the caller computes them while [s, n) loads (see LoadTicket and commit_gap).
         """
         ps = self.page_size
         self.poll()
@@ -206,21 +260,37 @@ class TierController:
                 break
             usable.append(node)
             runs.append((tier, node.num_pages))
-        want = self.cost.pages_to_load(runs)
-        self.stats.recomputed_tokens += (sum(n for _, n in runs) - want) * ps
-        if max_pages is not None:
-            want = min(want, max_pages)
-        nodes = self._cut(usable, want)
+        total = sum(n for _, n in runs)
+        if overlap:
+            cap = total if max_pages is None else min(total, max_pages)
+            plan = self.cost.plan(_clip(runs, cap))
+            self.stats.recomputed_tokens += (plan.s - plan.k + cap - plan.n) * ps
+        else:
+            want = self.cost.pages_to_load(runs)
+            self.stats.recomputed_tokens += (total - want) * ps
+            if max_pages is not None:
+                want = min(want, max_pages)
+            plan = LoadPlan(want, want, want)
+        k, s = plan.k, plan.s
+        nodes = self._split_at(self._split_at(self._cut(usable, plan.n), k), s)
         tiers = [DEVICE if n.loc[0] is not None else HOST if n.loc[1] is not None else DISK for n in nodes]
-        ticket = LoadTicket(nodes[-1] if nodes else self.tree.root, m.num_pages)
+        ticket = LoadTicket(nodes[-1] if nodes else self.tree.root, m.num_pages, gap=(k, s) if k < s else None)
         self.tree.lock(ticket.node)
+        pos = 0
         for i, node in enumerate(nodes):
-            if node.loc[0] is None and not self._load_node(node):
+            if not k <= pos < s and node.loc[0] is None and not self._load_node(node):
+                if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
+                    ticket.gap = None
+                    i = min(i, len(ticket.part(0, k)))
                 self._truncate(ticket, nodes[i - 1] if i else self.tree.root)
                 nodes = nodes[:i]
                 break
+            pos += node.num_pages
+        pos = 0
         for node, tier in zip(nodes, tiers):
-            ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
+            if not k <= pos < s or ticket.gap is None:  # the gap's pages are computed, not hits
+                ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
+            pos += node.num_pages
         for tier, pages in ticket.hit_pages.items():
             self.stats.hit_tokens[tier] += pages * ps
         self._selective_backups(ticket.nodes)
@@ -237,6 +307,17 @@ class TierController:
                 node = self.tree.split(node, pages - used)
             out.append(node)
             used += node.num_pages
+        return out
+
+    def _split_at(self, nodes: list[TreeNode], page: int) -> list[TreeNode]:
+        """The path `nodes` with a node boundary at `page` (splitting the node that straddles it)."""
+        out: list[TreeNode] = []
+        pos = 0
+        for node in nodes:
+            if pos < page < pos + node.num_pages:
+                out.append(self.tree.split(node, page - pos))  # the upper part; `node` keeps the rest
+            out.append(node)
+            pos += node.num_pages
         return out
 
     def _truncate(self, ticket: LoadTicket, node: TreeNode) -> None:
@@ -289,8 +370,9 @@ class TierController:
         return True
 
     def stream_wait(self, ticket: LoadTicket) -> None:
-        """Make the current CUDA stream wait for the ticket's copies (no host blocking); no-op on CPU."""
-        for node in ticket.nodes:
+        """Make the current CUDA stream wait for the copies of the pages the caller may read now: the
+        whole prefix, or only [0, k) while the ticket has a gap (no host blocking); no-op on CPU."""
+        for node in ticket.prefix_nodes:
             wait = getattr(node.pending, "stream_wait", None)
             if wait is not None:
                 wait()
@@ -318,6 +400,8 @@ class TierController:
         The ticket's lock moves to the new deepest node. Write policies fire for the new pages.
         """
         ps = self.page_size
+        if ticket.gap is not None:
+            raise ValueError(f"commit: the ticket's gap {ticket.gap} is not committed yet (commit_gap)")
         have = ticket.num_pages
         full = len(tokens) // ps
         if len(device_pages) < full:
@@ -345,6 +429,41 @@ class TierController:
                 if self.policy.device_to_host == "write_through":
                     self._backup_to_host(n)
         return ticket.device_pages()
+
+    def commit_gap(self, ticket: LoadTicket, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
+        """Adopt the caller's computed pages [k, k + len(device_pages)) of the ticket's gap [k, s).
+
+        tokens covers at least those pages. The gap nodes take the pages as their GPU copy; where a
+        node got GPU pages meanwhile (another request loaded or committed it), the tree's pages win, the
+        caller's are freed, and the ticket may not be `ready` until that load lands. Returns the
+        canonical GPU pages of [k, k + len(device_pages)). The gap shrinks to what is left (None when
+        all of it is committed: the ticket is then an ordinary one). Write policies fire.
+        """
+        if ticket.gap is None:
+            raise ValueError("commit_gap: the ticket has no gap")
+        ps = self.page_size
+        k, s = ticket.gap
+        end = k + len(device_pages)  # pages [k, end) are committed now
+        if end > s or len(tokens) < end * ps:
+            raise ValueError(f"commit_gap: pages [{k}, {end}) for gap [{k}, {s}) and {len(tokens)} tokens")
+        if end == k:
+            return []
+        start = ticket.part(0, k)[-1] if k else self.tree.root
+        new_pages = list(device_pages)
+        node, dups = self.tree.insert(tokens[k * ps : end * ps], new_pages, DEVICE, start=start)
+        if node not in ticket.nodes:
+            raise AssertionError(f"commit_gap: tokens do not follow the ticket's path ({node})")
+        self._private.difference_update(new_pages)
+        if dups:
+            dup_set = set(dups)
+            self._private.update(dup_set)
+            self.free_device([p for p in new_pages if p in dup_set])
+        ticket.gap = (end, s) if end < s else None
+        part = ticket.part(k, end)
+        if self.host is not None and self.policy.device_to_host == "write_through":
+            for n in part:
+                self._backup_to_host(n)
+        return [p for n in part for p in n.loc[0]]
 
     def release(self, ticket: LoadTicket) -> None:
         """Drop the ticket's lock; failed loads are cleaned up once nobody holds them."""
