@@ -66,6 +66,7 @@ def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None
         gbps(lp.host_to_device_gbps),
         gbps(lp.disk_to_device_gbps),
         adaptive=lp.disk_to_device_gbps is None,
+        overlap=lp.overlap,
     )
 
 

@@ -71,6 +71,8 @@ class LoadPolicyConfig:
     prefill_tokens_per_s: float | None = None  # None: calibrate at startup
     host_to_device_gbps: float | None = None
     disk_to_device_gbps: float | None = None
+    # mode auto: compute the first pages of a prefix dearer to load while its last pages load (off: one cut)
+    overlap: bool = False
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,8 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     _positive(c.write_policy.selective_hits, "cache.write_policy.selective_hits", source)
     for name in ("prefill_tokens_per_s", "host_to_device_gbps", "disk_to_device_gbps"):
         _positive(getattr(c.load_policy, name), f"cache.load_policy.{name}", source)
+    if c.load_policy.overlap and c.load_policy.mode != "auto":
+        raise ConfigError(f"{source}: cache.load_policy.overlap: needs mode auto, got mode {c.load_policy.mode!r}")
     s = cfg.scheduler
     _positive(s.max_running_requests, "scheduler.max_running_requests", source)
     _positive(s.chunk_tokens, "scheduler.chunk_tokens", source)

@@ -14,6 +14,8 @@ def test_defaults_and_shipped_configs_are_valid():
     cfg = load_config("configs/h200-llama8b.yaml")
     sizes = resolve_sizes(cfg, 131072)  # Llama-3.1-8B bf16: 128 KiB per token
     assert sizes.page_bytes == 8 << 20 and sizes.device_pages == 1024 and sizes.host_pages == 6144
+    assert not Config().cache.load_policy.overlap
+    assert from_dict({"cache": {"load_policy": {"overlap": True}}}).cache.load_policy.overlap
 
 
 @pytest.mark.parametrize(
@@ -29,6 +31,8 @@ def test_defaults_and_shipped_configs_are_valid():
         ({"model": {"dtype": "int3"}}, "model.dtype"),
         ({"cache": {"l3": {"path": ""}}}, "cache.l3.path: must not be empty"),
         ({"scheduler": {"chunk_tokens": True}}, "expected an integer"),
+        ({"cache": {"load_policy": {"overlap": "yes"}}}, "cache.load_policy.overlap"),
+        ({"cache": {"load_policy": {"mode": "never", "overlap": True}}}, "overlap: needs mode auto"),
         (["a"], "top level must be a mapping"),
     ],
 )
