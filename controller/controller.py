@@ -261,7 +261,7 @@ class TierController:
             usable.append(node)
             runs.append((tier, node.num_pages))
         total = sum(n for _, n in runs)
-        if overlap:
+        if overlap and self.cost.overlap:
             cap = total if max_pages is None else min(total, max_pages)
             plan = self.cost.plan(_clip(runs, cap))
             self.stats.recomputed_tokens += (plan.s - plan.k + cap - plan.n) * ps

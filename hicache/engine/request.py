@@ -82,6 +82,7 @@ class Request:
     committed_pages: int = 0
     admitted_seq: int = -1  # admission order: the newest is preempted first
     cached_tokens: dict[str, int] | None = None
+    gap_tokens: int = 0  # prompt tokens computed in a ticket's gap (not hits when a retry finds them on GPU)
     preemptions: int = 0
     needs_stream_wait: bool = False
     generator: Any = None

@@ -6,6 +6,11 @@ one step's token budget, and (3) plans the step: one token for every decoding re
 chunks (oldest first) within `chunk_tokens`. New KV goes into private pages from `alloc_device`; when
 none are left the most recently admitted request is preempted (its full pages committed, so its prefix
 stays cached and a re-admission hits it). Full pages are committed as soon as they are computed.
+
+A request whose ticket has a gap (cache.load_policy.overlap) starts RUNNING once pages [0, k) are on the
+GPU and prefills the gap [k, s) while [s, n) loads; when the gap is computed it is committed whole
+(`commit_gap`), the request jumps to token n * page_size and, if the tail has not landed yet, waits in
+LOADING like any request. Stopped mid-gap (preempted, aborted) it commits the gap pages it filled.
 All methods run on the engine thread.
 """
 
@@ -36,7 +41,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # by arrival; preempted requests go back to their place
         self.loading: list[Request] = []
         self.running: list[Request] = []  # by admission order
-        self.draining: list[Request] = []  # aborted while loading: released once their loads settle
+        self.draining: list[Any] = []  # tickets given up while loading: released once their loads settle
         self._admissions = itertools.count()
         self._starved = False  # ran out of GPU pages: admit nothing new until a request leaves
         self.preemptions = 0
@@ -56,10 +61,7 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.LOADING:
             self.loading.remove(req)
-            if req.ticket.ready():
-                self.ctrl.release(req.ticket)
-            else:  # its pages are still being written by a copy: keep the lock until that settles
-                self.draining.append(req)
+            self._release(req.ticket)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
             self._commit(req)
@@ -80,23 +82,48 @@ class Scheduler:
         """After the forward: the planned tokens' KV is in the pages; commit the pages that filled."""
         for req, n in plan:
             req.computed += n
-            self._commit(req)
+            gap = req.ticket.gap
+            if gap is None:
+                self._commit(req)
+            elif req.computed == gap[1] * self.page_size:
+                self._close_gap(req)
 
     def settle(self) -> None:
-        """Move requests whose loads finished to RUNNING; retry failed loads; release drained aborts."""
+        """Move requests whose loads finished to RUNNING; retry failed loads; release drained tickets."""
         for req in list(self.loading):
             if req.ticket.failed:  # an L3 read failed verification: the controller drops those pages
                 self.loading.remove(req)
-                self.ctrl.release(req.ticket)
+                self._release(req.ticket)
                 req.ticket = None
                 self._acquire(req)
-            elif req.ticket.ready():
+            elif req.ticket.prefix_ready():  # the whole prefix, or what precedes its gap
                 self.loading.remove(req)
                 self._start(req)
-        for req in list(self.draining):
-            if req.ticket.ready():
-                self.draining.remove(req)
-                self.ctrl.release(req.ticket)
+        for ticket in list(self.draining):
+            if ticket.ready():
+                self.draining.remove(ticket)
+                self.ctrl.release(ticket)
+
+    def _release(self, ticket: Any) -> None:
+        """Release a ticket, or keep its lock until its loads settle (their pages are being written)."""
+        if ticket.ready():
+            self.ctrl.release(ticket)
+        else:
+            self.draining.append(ticket)
+
+    def _close_gap(self, req: Request) -> None:
+        """req computed its gap: commit it, jump to the end of the prefix, wait for the tail if needed."""
+        k, s = req.ticket.gap
+        self.ctrl.commit_gap(req.ticket, req.token_ids, req.pages[k:s])
+        req.gap_tokens += (s - k) * self.page_size
+        req.pages = req.ticket.device_pages()  # [0, k) loaded, [k, s) computed, [s, n) loaded
+        req.committed_pages = len(req.pages)
+        req.computed = req.committed_pages * self.page_size
+        req.needs_stream_wait = True  # the tail (and gap pages another request loaded) came by copy
+        if req.ticket.failed or not req.ticket.ready():
+            self.running.remove(req)
+            req.status = Status.LOADING
+            self.loading.append(req)
 
     def _pages_needed(self, req: Request) -> int:
         """GPU pages req will hold: its whole prompt (cached prefix loaded + the rest computed) and some
@@ -125,15 +152,17 @@ class Scheduler:
     def _acquire(self, req: Request) -> None:
         """Claim the cached prefix (at least one token is left to compute, for the logits)."""
         ps = self.page_size
-        ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps)
+        ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps, overlap=True)
         req.ticket = ticket
-        req.pages = ticket.device_pages()
-        req.committed_pages = ticket.num_pages
-        req.computed = ticket.num_pages * ps  # tokens [0, computed) are cached
+        req.pages = ticket.prefix_pages()  # the gap's pages come from alloc_device as it is computed
+        req.committed_pages = len(req.pages)
+        req.computed = req.committed_pages * ps  # tokens [0, computed) are cached
         req.needs_stream_wait = any(tier != "device" for tier in ticket.hit_pages)
         if req.cached_tokens is None or req.status is Status.LOADING:  # first admission (or its retry)
             req.cached_tokens = {tier: pages * ps for tier, pages in ticket.hit_pages.items()}
-        if ticket.ready() and not ticket.failed:
+            if req.gap_tokens and "device" in req.cached_tokens:  # its own gap, committed before a failed load
+                req.cached_tokens["device"] = max(0, req.cached_tokens["device"] - req.gap_tokens)
+        if ticket.prefix_ready() and not ticket.failed:
             self._start(req)
         else:
             req.status = Status.LOADING
@@ -150,8 +179,11 @@ class Scheduler:
                 plan[req] = 1
         budget = self.chunk_tokens - len(plan)
         for req in list(self.running):  # prefill chunks within the budget, oldest first
-            remaining = len(req.token_ids) - req.computed
-            if req.status is not Status.RUNNING or req in plan or remaining <= 1:
+            if req.status is not Status.RUNNING or req in plan:  # (preempted above: no ticket)
+                continue
+            gap = req.ticket.gap
+            remaining = (gap[1] * self.page_size if gap else len(req.token_ids)) - req.computed
+            if remaining <= (0 if gap else 1):
                 continue
             if budget <= 0:
                 break
@@ -197,17 +229,24 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def _commit(self, req: Request) -> None:
-        """Insert req's newly filled pages into the tree; adopt the canonical page ids it returns."""
+        """Insert req's newly filled pages into the tree; adopt the canonical page ids it returns.
+
+        With a gap still open (req is being stopped) the gap pages filled so far are committed.
+        """
         full = req.computed // self.page_size
         if full <= req.committed_pages:
             return
-        canonical = self.ctrl.commit(req.ticket, req.token_ids[: full * self.page_size], req.pages[:full])
-        req.pages[:full] = canonical
+        if req.ticket.gap is not None:  # pages [k, full) of the gap
+            k = req.committed_pages
+            req.pages[k:full] = self.ctrl.commit_gap(req.ticket, req.token_ids, req.pages[k:full])
+        else:
+            canonical = self.ctrl.commit(req.ticket, req.token_ids[: full * self.page_size], req.pages[:full])
+            req.pages[:full] = canonical
         req.committed_pages = full
 
     def _drop_pages(self, req: Request) -> None:
         """Release the ticket and free the private pages (the partial page and any reserved ahead)."""
-        self.ctrl.release(req.ticket)
+        self._release(req.ticket)
         self.ctrl.free_device(req.pages[req.committed_pages :])
         req.ticket = None
         req.pages = []
