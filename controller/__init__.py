@@ -1,8 +1,10 @@
 """The tier controller: when pages move between GPU, host and L3 (see controller.controller)."""
 
-from controller.controller import FAILED, LoadTicket, TierController, WritePolicy
+from controller.controller import TierController
 from controller.cost import CostModel
 from controller.l3_io import L3Worker
+from controller.policy import WritePolicy
 from controller.stats import CacheStats
+from controller.ticket import FAILED, LoadTicket
 
 __all__ = ["FAILED", "CacheStats", "CostModel", "L3Worker", "LoadTicket", "TierController", "WritePolicy"]

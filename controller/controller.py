@@ -22,141 +22,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from controller.cost import CostModel, LoadPlan
 from controller.l3_io import L3Worker
+from controller.policy import WritePolicy
 from controller.stats import CacheStats
+from controller.ticket import FAILED, DiskLoad, LoadTicket
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode, page_keys
 from tiers.copy import COMPLETED, TransferHandle
 
 logger = logging.getLogger(__name__)
-
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
-class _Failed:
-    """Marker in TreeNode.pending: the node's data could not be loaded; it will be removed."""
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
-FAILED = _Failed()
-
-
-class _DiskLoad:
-    """Marker in TreeNode.pending while an L3 -> host read for the node is in flight."""
-
-    def __init__(self, host_pages: list[int]):
-        self.host_pages = host_pages
-
-    def done(self) -> bool:
-        return False
-
-    def wait(self) -> None:
-        raise RuntimeError("wait on a disk load: call TierController.wait_ticket instead")
-
-
-@dataclass(frozen=True)
-class WritePolicy:
-    """When pages are copied down a tier (GPU -> host, host -> L3)."""
-
-    device_to_host: str = "write_through"
-    host_to_disk: str = "write_through"
-    selective_hits: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("device_to_host", "host_to_disk"):
-            if getattr(self, name) not in WRITE_POLICIES:
-                raise ValueError(f"write policy {name}={getattr(self, name)!r}; choices: {list(WRITE_POLICIES)}")
-        if self.selective_hits < 1:
-            raise ValueError(f"selective_hits must be >= 1, got {self.selective_hits}")
-
-
-@dataclass
-class LoadTicket:
-    """A request's claim on a cached prefix: the deepest locked node and the loads it waits for.
-
-    The prefix is the path from the root to `node`, recomputed on each use: another request's match
-    may split a node on a locked path, which adds nodes to the path but never moves its end.
-
-    With a `gap` (k, s), pages [k, s) of the prefix are not loaded: the caller computes them into its
-    own pages (after [0, k) is ready: `prefix_ready`) while [s, n) loads, then hands them over with
-    `TierController.commit_gap`; pages past n need all of it (`ready`). Node boundaries at k and s
-    stay put (nodes are split, never merged), so the parts are found by page position.
-    """
-
-    node: TreeNode  # deepest locked node (the root when nothing is cached)
-    matched_pages: int  # pages the tree (and L3) had
-    hit_pages: dict[str, int] = field(default_factory=dict)  # pages used per fastest tier at match time
-    released: bool = False
-    gap: tuple[int, int] | None = None  # pages [k, s) the caller computes; None once committed
-
-    @property
-    def nodes(self) -> list[TreeNode]:
-        """The used prefix, root excluded, in order."""
-        path = []
-        node = self.node
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        return path
-
-    @property
-    def num_pages(self) -> int:
-        return sum(n.num_pages for n in self.nodes)
-
-    def device_pages(self) -> list[int]:
-        """GPU page ids of the used prefix, in order (no gap left: see prefix_pages / tail_pages)."""
-        if self.gap is not None:
-            raise ValueError(f"ticket has an uncommitted gap {self.gap}: use prefix_pages and tail_pages")
-        return [p for n in self.nodes for p in n.loc[0]]
-
-    def part(self, start: int, end: int) -> list[TreeNode]:
-        """The nodes of pages [start, end) of the prefix (start and end on node boundaries)."""
-        out, pos = [], 0
-        for node in self.nodes:
-            if start <= pos < end:
-                out.append(node)
-            pos += node.num_pages
-        return out
-
-    @property
-    def prefix_nodes(self) -> list[TreeNode]:
-        """The nodes before the gap (all of them without one)."""
-        return self.part(0, self.gap[0]) if self.gap is not None else self.nodes
-
-    def prefix_pages(self) -> list[int]:
-        """GPU page ids of pages [0, k)."""
-        return [p for n in self.prefix_nodes for p in n.loc[0]]
-
-    def tail_pages(self) -> list[int]:
-        """GPU page ids of pages [s, n), loading while the caller computes the gap (empty without one)."""
-        if self.gap is None:
-            return []
-        return [p for n in self.part(self.gap[1], self.num_pages) for p in n.loc[0]]
-
-    @property
-    def failed(self) -> bool:
-        return any(n.pending is FAILED for n in self.nodes)
-
-    def ready(self) -> bool:
-        """True once every page of the prefix is on the GPU (or a load failed: see `failed`); gap nodes
-        count as ready unless another request started loading them."""
-        return all(n.pending is None or n.pending.done() for n in self.nodes)
-
-    def prefix_ready(self) -> bool:
-        """True once pages [0, k) are on the GPU (the gap may be computed then)."""
-        return all(n.pending is None or n.pending.done() for n in self.prefix_nodes)
-
 
 def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
     """The (tier, pages) runs cut down to their first `pages` pages."""
@@ -346,7 +224,7 @@ class TierController:
                 self.device.free(dev)
                 self.stats.drops["host_full_on_load"] += n
                 return False
-            node.pending = _DiskLoad(host_pages)
+            node.pending = DiskLoad(host_pages)
             self._loading[node.id] = node
             self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
         self._private.difference_update(dev)
@@ -360,7 +238,7 @@ class TierController:
     def wait_ticket(self, ticket: LoadTicket, timeout: float | None = None) -> bool:
         """Block until the ticket is ready (for callers with nothing else to do); False on timeout."""
         while not ticket.ready():
-            if any(isinstance(n.pending, _DiskLoad) for n in ticket.nodes):
+            if any(isinstance(n.pending, DiskLoad) for n in ticket.nodes):
                 if not self.worker.wait_idle(timeout):
                     return False
             self.poll()
@@ -573,7 +451,7 @@ class TierController:
                     self.stats.drops["l3_write_failed"] += c.results.count(False)
             else:
                 self._loading.pop(node.id, None)
-                load: _DiskLoad = node.pending
+                load: DiskLoad = node.pending
                 parts = self._pieces(node, lambda p, load=load: p.pending is load)  # the node may have been split
                 if all(c.results):
                     offset = 0

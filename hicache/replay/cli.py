@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from controller import WritePolicy
-from controller.controller import WRITE_POLICIES
+from controller.policy import WRITE_POLICIES
 from hicache.config import ConfigError, TierSize, load_config, resolve_sizes
 from hicache.modelinfo import model_shape, resolve_dtype
 from hicache.replay.core import Replayer, ReplayError, ReplaySetup
