@@ -16,6 +16,7 @@ from tiers import DevicePool, HostPool, KVLayout, MetadataPool, make_copier
 
 logger = logging.getLogger(__name__)
 
+SYNC_BATCH_BYTES = 64 << 20  # default L3 write group: pages sharing one fdatasync and index commit
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -125,12 +126,14 @@ def build_cache(
 
             c = cfg.cache.l3
             slot_bytes = -(-layout.page_bytes // 4096) * 4096  # slots are 4 KiB aligned
+            # small pages need many per sync: one fdatasync + LMDB commit per 32 x 64 KiB ran at 0.1 of raw
+            sync_pages = c.sync_batch_pages or max(32, SYNC_BATCH_BYTES // layout.page_bytes)
             l3 = L3Store(
                 c.path, sizes.disk_pages * slot_bytes, layout.page_bytes, ns,
-                io_backend=c.io_backend, io_threads=c.io_threads, sync_batch_pages=c.sync_batch_pages,
+                io_backend=c.io_backend, io_threads=c.io_threads, sync_batch_pages=sync_pages,
                 admission_hits=c.admission_hits,
             )
-            worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=c.sync_batch_pages)
+            worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=sync_pages)
     controller = TierController(
         tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost_model(cfg, layout, prefill_tokens_per_s),
         worker, min(sizes.disk_pages, l3.capacity_pages) if l3 is not None else None,

@@ -52,7 +52,7 @@ class L3Config:
     io_backend: Literal["auto", "kvikio", "posix", "buffered"] = "auto"
     io_threads: int = 4
     queue_pages: int = 4096  # bounded queue of pending L3 writes; beyond it demotions are dropped
-    sync_batch_pages: int = 32
+    sync_batch_pages: int | None = None  # pages per fdatasync + index commit; None: max(32, 64 MiB of pages)
     admission_hits: int = 0  # write a page to L3 only after it was hit this many times (0 = always)
 
 
