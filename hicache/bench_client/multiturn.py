@@ -154,10 +154,12 @@ class Client:
                 if "error" in chunk:
                     raise BenchError(str(chunk["error"].get("message", chunk["error"])))
                 for choice in chunk.get("choices") or []:
+                    # TTFT: the first chunk carrying a choice (servers send it when the first token exists,
+                    # which may not decode to text yet, e.g. part of a multi-byte character)
+                    if result.ttft is None:
+                        result.ttft = time.perf_counter() - t0 - result.start
                     text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
                     if text:
-                        if result.ttft is None:
-                            result.ttft = time.perf_counter() - t0 - result.start
                         answer.append(text)
                 if chunk.get("usage"):
                     usage = chunk["usage"]

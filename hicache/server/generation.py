@@ -188,11 +188,13 @@ async def _stream(state: ServerState, request_id: str, first: StepOutput, output
         out: StepOutput | None = first
         while out is not None:
             tracker.saw(out)
+            first_token = last is None
             last = out
             if out.finish_reason == "error":
                 yield _sse(p.error_body(out.error or "request failed", "server_error"))
                 break
-            if out.text_delta or out.finished:
+            # the first token is always sent, even before it decodes to text, so streaming clients see TTFT
+            if out.text_delta or out.finished or (first_token and not chat):
                 reason = out.finish_reason if out.finished else None
                 if chat:
                     delta = {"content": out.text_delta} if out.text_delta else {}
