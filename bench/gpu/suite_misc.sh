@@ -26,3 +26,6 @@ for mode in auto always; do
 done
 bash bench/gpu/serve_and_bench.sh l3r_off 8399 "--device-tokens 16384 --host-tokens 0 --no-l3" \
   "$L3R --json \$OUT/l3r_off.json" 2>&1 | grep -E '"ttft_s"|=='
+# the device returns at most 8 files: pack every result, metrics and log file of this suite into one archive
+out=${OUT:-/tmp}
+(cd "$out" && tar czf suite_misc.tgz --remove-files $(ls | grep -v '\.tgz$')) && echo "results: $out/suite_misc.tgz"

@@ -10,3 +10,6 @@ rm -rf /tmp/hicache-l3
 run mt_gpu_only 8101 "--device-tokens 65536 --host-tokens 0 --no-l3"
 run mt_host 8102 "--device-tokens 65536 --host-tokens 393216 --no-l3"
 run mt_host_l3 8103 "--device-tokens 65536 --host-tokens 98304 --disk-tokens 245760 --l3-path /tmp/hicache-l3" 14
+# the device returns at most 8 files: pack every result, metrics and log file of this suite into one archive
+out=${OUT:-/tmp}
+(cd "$out" && tar czf suite_multiturn.tgz --remove-files $(ls | grep -v '\.tgz$')) && echo "results: $out/suite_multiturn.tgz"
