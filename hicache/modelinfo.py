@@ -10,13 +10,11 @@ import torch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# The shapes of the built-in models (the engine's presets agree; tests check it).
+# The embedded model's shape (its GGUF is not opened just to size tiers); random:<preset> shapes come
+# from the engine's presets.
 BUILTIN_SHAPES: dict[str, tuple[int, int, int, int]] = {
     # name: (layers, kv heads, head dim, max context)
     "smollm2-135m-instruct": (30, 3, 64, 8192),
-    "random:tiny": (2, 2, 16, 2048),
-    "random:llama-3.1-8b": (32, 8, 128, 131072),
-    "random:qwen2.5-7b": (28, 4, 128, 32768),
 }
 
 
@@ -36,6 +34,13 @@ def model_shape(name: str) -> ModelShape:
     """Shape of a built-in model or a Hugging Face directory (config.json); ValueError if unknown."""
     if name in BUILTIN_SHAPES:
         return ModelShape(name, *BUILTIN_SHAPES[name])
+    if name.startswith("random:"):
+        from hicache.engine.weights import RANDOM_PRESETS
+
+        preset = RANDOM_PRESETS.get(name.removeprefix("random:"))
+        if preset is not None:
+            return ModelShape(name, preset.num_layers, preset.num_kv_heads, preset.head_dim,
+                              preset.max_position_embeddings)
     config = Path(name) / "config.json"
     if config.is_file():
         c = json.loads(config.read_text())
@@ -46,7 +51,8 @@ def model_shape(name: str) -> ModelShape:
             c.get("max_position_embeddings", 4096),
         )
     raise ValueError(
-        f"unknown model {name!r}: use one of {sorted(BUILTIN_SHAPES)} or a Hugging Face model directory"
+        f"unknown model {name!r}: use {', '.join(sorted(BUILTIN_SHAPES))}, random:<preset> "
+        "or a Hugging Face model directory"
     )
 
 
