@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"(dd {raw[op]['dd'] / GB:.2f}, python {raw[op][f'python_{args.threads}_threads'] / GB:.2f})"
               f"   ratio {result[op + '_ratio']:.2f}")
     if "kvikio_gpu" in result and "read" in result["kvikio_gpu"]:
-        print(f"  kvikio read into GPU {result['kvikio_gpu']['read'] / GB:.2f} GB/s")
+        kv = result["kvikio_gpu"]
+        kv["write_ratio"], kv["read_ratio"] = kv["write"] / raw["write"]["best"], kv["read"] / raw["read"]["best"]
+        print(f"  kvikio GPU pages: write {kv['write'] / GB:.2f} GB/s (ratio {kv['write_ratio']:.2f}), "
+              f"read into GPU {kv['read'] / GB:.2f} GB/s (ratio {kv['read_ratio']:.2f}) [{kv['io_backend']}]")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{tier}-tokens", type=int, metavar="N", help=f"{tier} tier capacity in tokens ({note})")
     p.add_argument("--page-size", type=int, help="tokens per KV page (cache.page_size)")
     p.add_argument("--load-mode", choices=("auto", "always", "never"), help="cache.load_policy.mode")
+    p.add_argument("--load-overlap", action=argparse.BooleanOptionalAction,
+                   help="compute a prefix's first pages while its last pages load (cache.load_policy.overlap)")
     p.add_argument("--max-running-requests", type=int, help="scheduler.max_running_requests")
     p.add_argument("--chunk-tokens", type=int, help="prefill tokens per step (scheduler.chunk_tokens)")
     p.add_argument("--max-context-tokens", type=int, help="context limit (scheduler.max_context_tokens)")
@@ -57,6 +59,7 @@ def build_config(args: argparse.Namespace) -> Config:
         "server.host": args.host, "server.port": args.port, "server.served_model_name": args.served_model_name,
         "server.max_body_bytes": args.max_body_bytes, "server.trace_log": args.trace_log,
         "cache.page_size": args.page_size, "cache.load_policy.mode": args.load_mode,
+        "cache.load_policy.overlap": args.load_overlap,
         "scheduler.max_running_requests": args.max_running_requests, "scheduler.chunk_tokens": args.chunk_tokens,
         "scheduler.max_context_tokens": args.max_context_tokens,
         "cache.l3.path": args.l3_path,
