@@ -80,7 +80,7 @@ class TierController:
         self.stats = CacheStats()
         self._private: set[int] = set()  # device pages handed to callers, not yet in the tree
         self._loading: dict[int, TreeNode] = {}  # node id -> node with an L3 read in flight
-        self._writing: dict[int, TreeNode] = {}  # node id -> node locked for an L3 write in flight
+        self._writing: dict[int, TreeNode] = {}  # node id -> node pinned for an L3 write in flight
         self._disk_inflight = 0  # pages queued for L3 writes (counted against disk capacity)
         self._invalid: dict[int, TreeNode] = {}  # nodes whose load failed, removed once unlocked
         self._bounced: set[int] = set()  # node ids whose L3 write carries its own copy of the bytes
@@ -396,8 +396,8 @@ class TierController:
         return True
 
     def _write_to_disk(self, node: TreeNode, handle: TransferHandle | None = None, bounce: bool = False) -> bool:
-        """Queue an L3 write of a node's host pages. Without `bounce` the node stays locked until the
-        write completes; with it the bytes are copied first so the host pages can be freed now."""
+        """Queue an L3 write of a node's host pages. Without `bounce` the node stays pinned in host memory
+        until the write completes; with it the bytes are copied first so the host pages can be freed now."""
         if self.l3 is None or node.loc[2] is not None or node.id in self._writing or node.loc[1] is None:
             return node.loc[2] is not None
         n = node.num_pages
@@ -417,9 +417,9 @@ class TierController:
         if bounce:  # the write owns its bytes: record the page as on disk now so the node may leave host
             self._bounced.add(node.id)
             self.tree.set_location(node, DISK, list(node.keys))
-        else:  # the host pages must outlive the write: lock until it completes
+        else:  # the host pages must outlive the write: pin them (the GPU copy may still be evicted)
             self._disk_inflight += n
-            self.tree.lock(node)
+            self.tree.pin(node)
         self.stats.moved(HOST, DISK, n, self.page_bytes)
         return True
 
@@ -442,7 +442,7 @@ class TierController:
                             self._invalid[node.id] = node
                     continue
                 self._disk_inflight -= n
-                self.tree.unlock(node)
+                self.tree.unpin(node)
                 if all(c.results):
                     for part in self._pieces(node, lambda p, keys=c.keys: p.keys[0] in keys):
                         if part.loc[2] is None:
@@ -490,7 +490,7 @@ class TierController:
 
     def _remove_invalid(self) -> None:
         for key, node in list(self._invalid.items()):
-            if node.lock_ref > 0:
+            if node.lock_ref > 0 or node.pin_ref > 0:
                 continue
             del self._invalid[key]
             if node.parent is None:

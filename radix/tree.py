@@ -11,7 +11,10 @@ Invariants (checked by `check_integrity`):
   residency is usually prefix-closed per tier; where it is not (a continuation found on L3 under
   a prefix that is only in memory), a node that leaves its last tier takes its whole subtree with
   it, since nothing below an uncached page can be reached;
-- a locked node (lock_ref > 0, counted along the path to the root) is never evicted.
+- a locked node (lock_ref > 0, counted along the path to the root) is never evicted;
+- a pinned node (pin_ref > 0, also counted along the path) keeps its host copy and is never removed,
+  but may leave the GPU or L3 while another tier holds it: pins guard host pages that an L3 write is
+  reading, without holding GPU pages hostage to the disk's speed.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class TreeNode:
         "loc",
         "tier_children",
         "lock_ref",
+        "pin_ref",
         "last_access",
         "hit_count",
         "pending",
@@ -57,6 +61,7 @@ class TreeNode:
         self.loc: list[list[Any] | None] = [None, None, None]  # per tier index: page ids / keys
         self.tier_children = [0, 0, 0]  # children resident in each tier
         self.lock_ref = 0
+        self.pin_ref = 0  # host pins (L3 writes in flight), counted along the path
         self.last_access = 0
         self.hit_count = 0
         self.pending: Any = None  # transfer handle a reader must wait on before using device pages
@@ -270,6 +275,7 @@ class RadixTree:
         mid.loc = [None if p is None else p[:k] for p in child.loc]
         mid.tier_children = [1 if p is not None else 0 for p in child.loc]
         mid.lock_ref = child.lock_ref
+        mid.pin_ref = child.pin_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
         mid.pending = child.pending
@@ -316,8 +322,8 @@ class RadixTree:
             raise ValueError(f"{node} is not resident in {tier}")
         if node.tier_children[ti]:
             raise ValueError(f"{node} has children in {tier}; evict them first")
-        if node.lock_ref > 0:
-            raise ValueError(f"{node} is locked")
+        if self._held(node, ti):
+            raise ValueError(f"{node} is locked" if node.lock_ref else f"{node} is pinned in host memory")
         self._unset_loc(node, ti)
         orphans: list[TreeNode] = []
         if node.loc == [None, None, None]:
@@ -341,8 +347,8 @@ class RadixTree:
 
         Returns the removed nodes (node first) with `loc` intact so the caller can free their pages.
         """
-        if node.lock_ref > 0:
-            raise ValueError(f"{node} is locked")
+        if node.lock_ref > 0 or node.pin_ref > 0:
+            raise ValueError(f"{node} is locked or pinned")
         for ti in range(3):
             if node.loc[ti] is not None:
                 pages = node.loc[ti]
@@ -359,7 +365,7 @@ class RadixTree:
         node.children = {}
         while stack:
             n = stack.pop()
-            if n.lock_ref > 0:
+            if n.lock_ref > 0 or n.pin_ref > 0:
                 raise AssertionError(f"locked {n} below unlocked {node}")  # locks count along the path
             removed.append(n)
             for ti, pages in enumerate(n.loc):
@@ -394,8 +400,8 @@ class RadixTree:
         found = None
         while heap:
             prio, _, node = heapq.heappop(heap)
-            if node not in leaves or prio != self.priority(node) or node.lock_ref > 0:
-                continue  # stale entry; locked nodes are pushed again on unlock
+            if node not in leaves or prio != self.priority(node) or self._held(node, ti):
+                continue  # stale entry; locked and pinned nodes are pushed again on unlock / unpin
             if skip is not None and skip(node):
                 passed.append(node)
                 continue
@@ -409,7 +415,16 @@ class RadixTree:
     def evictable_leaves(self, tier: str) -> list[TreeNode]:
         """All unlocked leaves of `tier`, lowest priority first."""
         ti = _TIER_INDEX[tier]
-        return sorted((n for n in self._leaves[ti] if n.lock_ref == 0), key=self.priority)
+        return sorted((n for n in self._leaves[ti] if not self._held(n, ti)), key=self.priority)
+
+    @staticmethod
+    def _held(node: TreeNode, ti: int) -> bool:
+        """Whether node may not leave tier ti now: it is locked, or pinned and the tier is host or its last."""
+        if node.lock_ref > 0:
+            return True
+        if node.pin_ref == 0:
+            return False
+        return ti == _TIER_INDEX[HOST] or all(pages is None for i, pages in enumerate(node.loc) if i != ti)
 
     # ------------------------------------------------------------------ locking
 
@@ -426,6 +441,22 @@ class RadixTree:
                 raise ValueError(f"unlock of unlocked {node}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
+                self._refresh(node)
+            node = node.parent
+
+    def pin(self, node: TreeNode) -> None:
+        """Keep `node` and its ancestors in host memory and in the tree (see the module doc)."""
+        while node is not None:
+            node.pin_ref += 1
+            node = node.parent
+
+    def unpin(self, node: TreeNode) -> None:
+        """Undo one `pin(node)`."""
+        while node is not None:
+            if node.pin_ref <= 0:
+                raise ValueError(f"unpin of unpinned {node}")
+            node.pin_ref -= 1
+            if node.pin_ref == 0 and node.lock_ref == 0:
                 self._refresh(node)
             node = node.parent
 
@@ -461,10 +492,12 @@ class RadixTree:
                 fail(f"{node} has {len(node.tokens)} tokens and {len(node.keys)} keys (page size {ps})")
             if node.loc == [None, None, None]:
                 fail(f"{node} is resident in no tier")
-            if node.lock_ref < 0:
-                fail(f"{node} has negative lock count")
+            if node.lock_ref < 0 or node.pin_ref < 0:
+                fail(f"{node} has a negative lock or pin count")
             if parent is not self.root and node.lock_ref > parent.lock_ref:
                 fail(f"{node} lock {node.lock_ref} exceeds its parent's {parent.lock_ref}")
+            if parent is not self.root and node.pin_ref > parent.pin_ref:
+                fail(f"{node} pin {node.pin_ref} exceeds its parent's {parent.pin_ref}")
             expect_first = page_keys(self.last_key(parent), node.tokens[:ps], ps)[0]
             if node.keys[0] != expect_first:
                 fail(f"{node} first key does not chain from its parent")

@@ -3,6 +3,8 @@ hypothesis property test against a reference model with byte checks on every tie
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -108,6 +110,43 @@ def test_write_back_copies_only_on_eviction():
     assert h.l3.used_pages() >= 2
     assert h.run(seq(1, 2)) == {DISK: 2}
     h.check_all_bytes()
+
+
+class GatedL3(MemoryL3):
+    """MemoryL3 whose writes wait for `gate`: an L3 write stays in flight as long as a test needs."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gate = threading.Event()
+
+    def write_pages(self, keys, pages):
+        assert self.gate.wait(10), "test never opened the gate"
+        return super().write_pages(keys, pages)
+
+
+def test_l3_write_in_flight_holds_host_pages_not_gpu_pages():
+    l3 = GatedL3(32, LAYOUT.page_bytes)
+    h = Harness(device=4, host=4, l3=l3)
+    h.ctrl.worker = L3Worker(l3, threads=1)  # asynchronous: the write blocks on the gate
+    try:
+        h.run(seq(1, 3))  # 3 pages on GPU and host, their L3 write in flight
+        node = h.ctrl.tree.match_prefix(seq(1, 3), touch=False).last_node
+        assert node.loc[0] is not None and node.loc[1] is not None and node.pin_ref == 1
+        gpu = h.ctrl.alloc_device(4)  # needs the written pages' GPU copies: they may go
+        assert gpu is not None and len(gpu) == 4 and node.loc[0] is None
+        assert h.ctrl._allocate(HOST, 4) is None  # but their host pages are what the write reads
+        h.ctrl.free_device(gpu)
+        h.check_all_bytes()
+        l3.gate.set()
+        assert h.ctrl.worker.wait_idle(10)
+        h.ctrl.poll()
+        assert node.pin_ref == 0 and l3.used_pages() == 3 and node.loc[2] is not None
+        h.ctrl.check_integrity()
+        assert h.run(seq(1, 3)) == {HOST: 3}
+        h.check_all_bytes()
+    finally:
+        l3.gate.set()
+        h.ctrl.close()
 
 
 def test_write_through_selective_waits_for_hits():

@@ -87,6 +87,35 @@ def test_lru_order_and_lock_protection():
     tree.check_integrity()
 
 
+def test_pin_keeps_host_copy_but_frees_gpu_copy():
+    tree = RadixTree(1)
+    tree.insert([1, 2], [0, 1])  # on the GPU only
+    tree.insert([1, 2, 3], [0, 1, 2])
+    leaf = tree.match_prefix([1, 2, 3], touch=False).last_node
+    parent = leaf.parent
+    tree.set_location(leaf, HOST, [40])
+    tree.pin(leaf)  # an L3 write is reading the leaf's host page
+    assert (leaf.pin_ref, parent.pin_ref) == (1, 1)
+    assert tree.pop_evictable(HOST) is None  # host copy held
+    assert tree.pop_evictable(DEVICE) is leaf  # the GPU copy may go: the host keeps the node
+    with pytest.raises(ValueError, match="pinned"):
+        tree.clear_location(leaf, HOST)
+    pages, orphans = tree.clear_location(leaf, DEVICE)
+    assert pages == [2] and orphans == [] and leaf.loc == [None, [40], None]
+    # the parent is on the GPU only: leaving it would remove the pinned leaf, so it is held
+    assert tree.pop_evictable(DEVICE) is None
+    with pytest.raises(ValueError, match="locked or pinned"):
+        tree.remove_subtree(parent)
+    tree.check_integrity()
+    tree.unpin(leaf)
+    assert (leaf.pin_ref, parent.pin_ref) == (0, 0)
+    assert tree.pop_evictable(HOST) is leaf
+    assert tree.pop_evictable(DEVICE) is parent
+    with pytest.raises(ValueError, match="unpin of unpinned"):
+        tree.unpin(leaf)
+    tree.check_integrity()
+
+
 def test_parent_cannot_leave_tier_before_children():
     tree = RadixTree(1)
     tree.insert([1, 2], [0, 1])
