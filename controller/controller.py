@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from controller.cost import CostModel, LoadPlan
 from controller.l3_io import L3Worker
 from controller.policy import WritePolicy
 from controller.stats import CacheStats
-from controller.ticket import FAILED, DiskLoad, LoadTicket
+from controller.ticket import FAILED, PREFETCHED, DiskLoad, LoadTicket
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode, page_keys
 from tiers.copy import COMPLETED, TransferHandle
 
@@ -61,6 +62,7 @@ class TierController:
         cost: CostModel | None = None,
         l3_worker: L3Worker | None = None,
         disk_capacity_pages: int | None = None,
+        prefetch: bool = True,
     ):
         if l3 is not None and host is None:
             raise ValueError("the disk tier needs a host tier: pages reach L3 through host memory")
@@ -84,6 +86,9 @@ class TierController:
         self._disk_inflight = 0  # pages queued for L3 writes (counted against disk capacity)
         self._invalid: dict[int, TreeNode] = {}  # nodes whose load failed, removed once unlocked
         self._bounced: set[int] = set()  # node ids whose L3 write carries its own copy of the bytes
+        self.prefetch_enabled = prefetch and l3 is not None
+        self._prefetching = 0  # host pages held by prefetch reads in flight
+        self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
 
     # ------------------------------------------------------------------ matching and loading
 
@@ -133,9 +138,16 @@ class TierController:
         self.stats.prompt_tokens += len(tokens)
         runs: list[tuple[str, int]] = []
         usable: list[TreeNode] = []
+        now, pages = time.monotonic(), 0
         for node, tier in m.segments:
             if node.pending is FAILED or node.id in self._invalid:
                 break
+            pages += node.num_pages
+            if isinstance(node.pending, DiskLoad) and node.loc[1] is None:
+                # a read in flight (a prefetch): as good as host if waiting for it beats recomputing
+                # the prefix up to here; otherwise priced as a disk read
+                wait = node.pending.eta - now
+                tier = HOST if wait <= pages * self.cost.compute_seconds() else DISK
             usable.append(node)
             runs.append((tier, node.num_pages))
         total = sum(n for _, n in runs)
@@ -151,7 +163,8 @@ class TierController:
             plan = LoadPlan(want, want, want)
         k, s = plan.k, plan.s
         nodes = self._split_at(self._split_at(self._cut(usable, plan.n), k), s)
-        tiers = [DEVICE if n.loc[0] is not None else HOST if n.loc[1] is not None else DISK for n in nodes]
+        tiers = [DEVICE if n.loc[0] is not None else HOST if n.loc[1] is not None and n.pending is not PREFETCHED
+                 else DISK for n in nodes]  # where the bytes come from: prefetched pages count as disk hits
         ticket = LoadTicket(nodes[-1] if nodes else self.tree.root, m.num_pages, gap=(k, s) if k < s else None)
         self.tree.lock(ticket.node)
         pos = 0
@@ -210,12 +223,16 @@ class TierController:
         n = node.num_pages
         if node.loc[1] is None and (self.host is None or node.id in self._writing):
             return False
-        node.pending = None  # any earlier transfer finished with the device copy it filled
+        prefetch = node.pending if isinstance(node.pending, DiskLoad) else None
+        if prefetch is None:
+            node.pending = None  # any earlier transfer finished with the device copy it filled
         dev = self._allocate(DEVICE, n)
         if dev is None:
             self.stats.drops["device_full_on_load"] += n
             return False
-        if node.loc[1] is not None:
+        if prefetch is not None:  # its read is in flight: it lands in host memory, then copies here
+            prefetch.to_device = True
+        elif node.loc[1] is not None:
             node.pending = self.copier.to_device(node.loc[1], dev) if self.copier else COMPLETED
             self.stats.moved(HOST, DEVICE, n, self.page_bytes)
         else:
@@ -224,7 +241,7 @@ class TierController:
                 self.device.free(dev)
                 self.stats.drops["host_full_on_load"] += n
                 return False
-            node.pending = DiskLoad(host_pages)
+            node.pending = DiskLoad(host_pages, eta=self._disk_eta(n))
             self._loading[node.id] = node
             self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
         self._private.difference_update(dev)
@@ -234,6 +251,55 @@ class TierController:
     def _host_page(self, page: int) -> Any:
         view = getattr(self.host, "page_view", None)
         return view(page) if view is not None else page
+
+    def _disk_eta(self, pages: int) -> float:
+        """When a read of `pages` submitted now should land: reads queue behind each other on the disk."""
+        now = time.monotonic()
+        bw = self.cost.disk_to_device_bytes_per_s
+        start = max(now, self._disk_read_free_at)
+        self._disk_read_free_at = start + (pages * self.page_bytes / bw if bw else 0.0)
+        return self._disk_read_free_at
+
+    def prefetch(self, tokens: Sequence[int], max_pages: int | None = None) -> int:
+        """Start L3 -> host reads for the pages of tokens' cached prefix that are only on disk.
+
+        For a request that waits in the queue: its disk pages travel while other requests compute, so
+        when it is admitted they load from host memory (the GPU is not touched). Reads hold at most half
+        the host pool; the prefix is locked while host pages are found, and each read's node is pinned
+        until it lands. Returns the pages whose reads were started.
+        """
+        if not self.prefetch_enabled:
+            return 0
+        m = self.match(tokens)
+        budget = self.host.capacity_pages // 2 - self._prefetching
+        self.tree.lock(m.last_node)  # host room is made from other pages than this prefix's
+        started = pos = 0
+        try:
+            for node, tier in m.segments:
+                if node.pending is FAILED or node.id in self._invalid:
+                    break
+                if max_pages is not None and pos >= max_pages:
+                    break
+                pos += node.num_pages
+                if tier != DISK or node.loc[1] is not None or isinstance(node.pending, DiskLoad):
+                    continue
+                n = node.num_pages
+                if n > budget - started:
+                    break
+                host_pages = self._allocate(HOST, n)
+                if host_pages is None:
+                    self.stats.drops["host_full_on_prefetch"] += n
+                    break
+                node.pending = DiskLoad(host_pages, to_device=False, pinned=True, eta=self._disk_eta(n))
+                self.tree.pin(node)
+                self._loading[node.id] = node
+                self._prefetching += n
+                self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
+                started += n
+        finally:
+            self.tree.unlock(m.last_node)
+        self.stats.prefetched_pages += started
+        return started
 
     def wait_ticket(self, ticket: LoadTicket, timeout: float | None = None) -> bool:
         """Block until the ticket is ready (for callers with nothing else to do); False on timeout."""
@@ -453,15 +519,21 @@ class TierController:
                 self._loading.pop(node.id, None)
                 load: DiskLoad = node.pending
                 parts = self._pieces(node, lambda p, load=load: p.pending is load)  # the node may have been split
+                if load.pinned:
+                    self.tree.unpin(node)
+                    self._prefetching -= n
                 if all(c.results):
                     offset = 0
                     for part in parts:
                         host_pages = load.host_pages[offset : offset + part.num_pages]
                         offset += part.num_pages
                         self.tree.set_location(part, HOST, host_pages)
-                        part.pending = self.copier.to_device(host_pages, part.loc[0]) if self.copier else COMPLETED
+                        if load.to_device and part.loc[0] is not None:
+                            part.pending = self.copier.to_device(host_pages, part.loc[0]) if self.copier else COMPLETED
+                            self.stats.moved(HOST, DEVICE, part.num_pages, self.page_bytes)
+                        else:
+                            part.pending = PREFETCHED if load.pinned else None
                     self.stats.moved(DISK, HOST, n, self.page_bytes)
-                    self.stats.moved(HOST, DEVICE, n, self.page_bytes)
                     self._observe_disk_read(n * self.page_bytes, c.seconds)
                 else:
                     self.host.free(load.host_pages)
@@ -550,7 +622,7 @@ class TierController:
             ):
                 self._write_to_disk(node, bounce=True)
         self.stats.evictions[tier] += n
-        if tier == DEVICE:
+        if tier == DEVICE and not isinstance(node.pending, DiskLoad):
             node.pending = None  # a finished promotion into the pages being freed
         pages, orphans = self.tree.clear_location(node, tier)
         if tier == DISK:

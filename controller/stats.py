@@ -22,6 +22,7 @@ class CacheStats:
     evictions: Counter = field(default_factory=Counter)  # tier -> pages dropped from that tier
     drops: Counter = field(default_factory=Counter)  # reason -> pages not backed up / not loaded
     load_failures: int = 0  # L3 reads that missed or failed verification
+    prefetched_pages: int = 0  # L3 -> host reads started for queued requests
 
     def moved(self, src: str, dst: str, pages: int, page_bytes: int) -> None:
         promote = TIERS.index(dst) < TIERS.index(src)
@@ -39,4 +40,5 @@ class CacheStats:
             "evictions": {t: self.evictions[t] for t in TIERS},
             "drops": dict(self.drops),
             "load_failures": self.load_failures,
+            "prefetched_pages": self.prefetched_pages,
         }

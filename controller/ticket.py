@@ -20,11 +20,34 @@ class _Failed:
 FAILED = _Failed()
 
 
-class DiskLoad:
-    """Marker in TreeNode.pending while an L3 -> host read for the node is in flight."""
+class _Prefetched:
+    """Marker in TreeNode.pending: the node's host copy was read from L3 for a queued request and has
+    not been loaded since (so the request's hit counts as a disk hit: the bytes came from L3)."""
 
-    def __init__(self, host_pages: list[int]):
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+PREFETCHED = _Prefetched()
+
+
+class DiskLoad:
+    """Marker in TreeNode.pending while an L3 -> host read for the node is in flight.
+
+    `to_device`: the read continues to the node's GPU pages (a request's load); a prefetch for a queued
+    request stops in host memory unless a request claims the node before the read lands. `pinned`: the
+    node is pinned (prefetches are; a request's loads are locked by its ticket). `eta`: when the read
+    is expected to land (monotonic seconds; the cost model's view of the disk queue).
+    """
+
+    def __init__(self, host_pages: list[int], to_device: bool = True, pinned: bool = False, eta: float = 0.0):
         self.host_pages = host_pages
+        self.to_device = to_device
+        self.pinned = pinned
+        self.eta = eta
 
     def done(self) -> bool:
         return False

@@ -137,6 +137,7 @@ def build_cache(
     controller = TierController(
         tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost_model(cfg, layout, prefill_tokens_per_s),
         worker, min(sizes.disk_pages, l3.capacity_pages) if l3 is not None else None,
+        prefetch=cfg.cache.load_policy.prefetch,
     )
     if not metadata_only:
         calibrate_bandwidths(controller, cfg)

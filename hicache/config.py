@@ -73,6 +73,8 @@ class LoadPolicyConfig:
     disk_to_device_gbps: float | None = None
     # mode auto: compute the first pages of a prefix dearer to load while its last pages load (off: one cut)
     overlap: bool = False
+    # read a queued request's disk-only prefix pages into host memory while it waits (L3 on)
+    prefetch: bool = True
 
 
 @dataclass(frozen=True)

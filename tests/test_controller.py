@@ -187,6 +187,89 @@ def test_failed_l3_read_is_a_miss_and_pages_are_dropped():
     fresh.check_all_bytes()
 
 
+def on_disk_only(l3: MemoryL3, tokens: list[int], **sizes) -> Harness:
+    """A restarted controller (empty tree) over an L3 store that already holds tokens' pages."""
+    Harness(l3=l3, **sizes).run(tokens)
+    return Harness(l3=l3, **sizes)
+
+
+def test_prefetch_reads_disk_pages_into_host_only():
+    l3 = MemoryL3(32, LAYOUT.page_bytes)
+    h = on_disk_only(l3, seq(7, 3), device=4, host=8)
+    assert h.ctrl.prefetch(seq(7, 3), max_pages=3) == 3
+    h.ctrl.poll()
+    node = h.ctrl.tree.match_prefix(seq(7, 3), touch=False).last_node
+    assert node.loc[0] is None and node.loc[1] is not None and node.pin_ref == 0
+    assert h.dev.used_pages() == 0 and h.host.used_pages() == 3 and h.ctrl.stats.prefetched_pages == 3
+    assert h.ctrl.prefetch(seq(7, 3), max_pages=3) == 0  # already in host memory
+    h.ctrl.check_integrity()
+    h.check_all_bytes()
+    assert h.run(seq(7, 3)) == {DISK: 3}  # the bytes came from L3: a disk hit, loaded from host
+    assert h.ctrl.stats.pages_promoted[(DISK, HOST)] == 3 and h.ctrl.stats.pages_promoted[(HOST, DEVICE)] == 3
+    assert h.run(seq(7, 3)) == {DEVICE: 3}
+    h.check_all_bytes()
+
+
+def test_prefetch_respects_max_pages_and_half_the_host_pool():
+    l3 = MemoryL3(32, LAYOUT.page_bytes)
+    h = on_disk_only(l3, seq(7, 3), device=4, host=4)
+    assert h.ctrl.prefetch(seq(7, 3)) == 0  # 3 pages > half of a 4-page host pool
+    h = on_disk_only(l3, seq(7, 3), device=4, host=8)
+    assert h.ctrl.prefetch(seq(7, 3), max_pages=0) == 0
+    assert h.host.used_pages() == 0
+    off = Harness(device=4, host=8, l3=l3)
+    off.ctrl.prefetch_enabled = False
+    assert off.ctrl.prefetch(seq(7, 3)) == 0
+
+
+def test_request_claims_a_prefetch_in_flight_without_a_second_read():
+    l3 = MemoryL3(32, LAYOUT.page_bytes)
+    Harness(device=4, host=8, l3=l3).run(seq(7, 3))
+    gate, reads = threading.Event(), []
+    real = l3.read_pages
+
+    def held_read(keys, out):
+        reads.append(len(keys))
+        assert gate.wait(10)
+        return real(keys, out)
+
+    l3.read_pages = held_read
+    h = Harness(device=4, host=8, l3=l3)
+    h.ctrl.worker = L3Worker(l3, threads=2)
+    try:
+        assert h.ctrl.prefetch(seq(7, 3), max_pages=3) == 3
+        ticket = h.ctrl.acquire(seq(7, 3), max_pages=3)
+        assert ticket.num_pages == 3 and not ticket.ready() and ticket.hit_pages == {DISK: 3}
+        node = ticket.node
+        assert node.loc[0] is not None and node.pin_ref == 1
+        h.ctrl.check_integrity()
+        gate.set()
+        assert h.ctrl.wait_ticket(ticket, timeout=10) and not ticket.failed
+        assert reads == [3]  # the request rode on the prefetch's read
+        for i, p in enumerate(ticket.device_pages()):
+            assert torch.all(h.dev.kv[:, :, p] == page_value(tuple(seq(7, 3)), i))
+        h.ctrl.release(ticket)
+        assert node.pin_ref == 0 and node.loc[1] is not None
+        h.ctrl.check_integrity()
+        h.check_all_bytes()
+    finally:
+        gate.set()
+        h.ctrl.close()
+
+
+def test_failed_prefetch_drops_the_pages():
+    l3 = MemoryL3(32, LAYOUT.page_bytes)
+    h = on_disk_only(l3, seq(7, 3), device=4, host=8)
+    l3.corrupt = set(list(l3.data)[1:2])
+    assert h.ctrl.prefetch(seq(7, 3)) == 3
+    h.ctrl.poll()
+    assert h.ctrl.stats.load_failures == 1
+    assert h.ctrl.tree.pages_in == [0, 0, 0] and h.host.used_pages() == 0
+    h.ctrl.check_integrity()
+    assert h.run(seq(7, 3)) == {}
+    h.check_all_bytes()
+
+
 def test_l3_write_failure_leaves_page_unindexed():
     h = Harness(device=2, host=2, disk=8)
     h.l3.fail_writes = True
@@ -245,7 +328,8 @@ def test_disk_needs_host():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.integers(0, 3)), min_size=1, max_size=25),
+    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.integers(0, 3), st.booleans()),
+                 min_size=1, max_size=25),
     sizes=st.sampled_from([(3, 5, 9), (4, 8, 0), (6, 0, 0), (64, 64, 64), (3, 3, 4)]),
     policy=st.sampled_from([
         WritePolicy(), WritePolicy("write_back", "write_back"),
@@ -261,11 +345,14 @@ def test_property_against_reference(ops, sizes, policy):
     h = Harness(device=device, host=host, disk=disk, policy=policy)
     committed: set[tuple[int, ...]] = set()
     ps = LAYOUT.page_size
-    for base, pages, branch in ops:
+    for base, pages, branch, prefetch in ops:
         pages = min(pages, device - 1)
         tokens = [base * 100 + i for i in range(pages * ps)] + [branch]  # branch only affects the partial page
         if pages >= 2 and branch % 2:
             tokens[ps + 1] = 7777 + branch  # a different second page: a branch in the tree
+        if prefetch:  # as for a queued request: its disk-only pages go to host first
+            h.ctrl.prefetch(tokens, max_pages=pages)
+            h.ctrl.check_integrity()
         hits = h.run(tokens)
         hit_pages = sum(hits.values())
         assert hit_pages == 0 or tuple(tokens[: hit_pages * ps]) in committed

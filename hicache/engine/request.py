@@ -84,6 +84,7 @@ class Request:
     cached_tokens: dict[str, int] | None = None
     gap_tokens: int = 0  # prompt tokens computed in a ticket's gap (not hits when a retry finds them on GPU)
     preemptions: int = 0
+    prefetched: bool = False  # its disk-only prefix pages were sent towards host memory while it queued
     needs_stream_wait: bool = False
     generator: Any = None
     detokenizer: Any = None

@@ -2,10 +2,12 @@
 
 Each step the scheduler (1) applies finished I/O (`poll`) and moves requests whose cached prefix has
 reached the GPU from LOADING to RUNNING, (2) admits waiting requests while the prefill backlog is below
-one step's token budget, and (3) plans the step: one token for every decoding request, then prefill
-chunks (oldest first) within `chunk_tokens`. New KV goes into private pages from `alloc_device`; when
-none are left the most recently admitted request is preempted (its full pages committed, so its prefix
-stays cached and a re-admission hits it). Full pages are committed as soon as they are computed.
+one step's token budget, and starts L3 -> host prefetches for those still waiting (their disk pages
+travel while others compute, so at admission they load from host), and (3) plans the step: one token
+for every decoding request, then prefill chunks (oldest first) within `chunk_tokens`. New KV goes into
+private pages from `alloc_device`; when none are left the most recently admitted request is preempted
+(its full pages committed, so its prefix stays cached and a re-admission hits it). Full pages are
+committed as soon as they are computed.
 
 A request whose ticket has a gap (cache.load_policy.overlap) starts RUNNING once pages [0, k) are on the
 GPU and prefills the gap [k, s) while [s, n) loads; when the gap is computed it is committed whole
@@ -76,6 +78,7 @@ class Scheduler:
         self.ctrl.poll()
         self.settle()
         self._admit()
+        self._prefetch()
         return self._plan()
 
     def advance(self, plan: Sequence[tuple[Request, int]]) -> None:
@@ -148,6 +151,16 @@ class Scheduler:
             self._acquire(req)
             backlog += len(req.token_ids) - req.computed - 1
             reserved += need
+
+    def _prefetch(self) -> None:
+        """Send each newly queued request's disk-only prefix pages towards host memory (once per request)."""
+        prefetch = getattr(self.ctrl, "prefetch", None)
+        if prefetch is None or not getattr(self.ctrl, "prefetch_enabled", False):
+            return
+        for req in self.waiting:
+            if not req.prefetched:
+                req.prefetched = True
+                prefetch(req.token_ids, max_pages=(len(req.token_ids) - 1) // self.page_size)
 
     def _acquire(self, req: Request) -> None:
         """Claim the cached prefix (at least one token is left to compute, for the logits)."""

@@ -74,6 +74,8 @@ class CacheCollector:
         yield drops
         yield CounterMetricFamily("hicache_l3_load_failures", "L3 reads that missed or failed verification",
                                   value=cache.get("load_failures", 0))
+        yield CounterMetricFamily("hicache_l3_prefetched_pages", "L3 -> host reads started for queued requests",
+                                  value=cache.get("prefetched_pages", 0))
         yield from self._tiers(s.get("tiers", {}))
         yield from self._l3()
         yield from self._scheduler(s)

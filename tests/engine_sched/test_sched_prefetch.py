@@ -1,0 +1,60 @@
+"""Prefetch: a queued request's prefix that sits only on L3 is read into host memory while other requests
+compute, so at admission it loads from host even where the disk is too slow to beat recomputing."""
+
+from __future__ import annotations
+
+from sched_helpers import assert_no_leaks, run_all
+from test_sched_overlap import GREEDY, PAGE, A, l3_engine, reference
+
+from hicache.engine.params import SamplingParams
+
+B = [(5 * 17 + i * 11) % 250 + 1 for i in range(200)]  # an unrelated long prompt that keeps A queued
+
+
+def slow_disk_engine(tiny, path, **dotted):
+    """Prefill 1000 tokens/s (4 ms a page); the disk loads a page in 8 ms (recompute wins), host in 1 ms."""
+    c = tiny[0].config
+    page_bytes = c.num_layers * 2 * PAGE * c.num_kv_heads * c.head_dim * 4
+    gbps = lambda seconds: page_bytes / seconds / 1e9  # noqa: E731
+    return l3_engine(tiny, path, scheduler__chunk_tokens=16, cache__load_policy__prefill_tokens_per_s=1000.0,
+                     cache__load_policy__host_to_device_gbps=gbps(0.001),
+                     cache__load_policy__disk_to_device_gbps=gbps(0.008), **dotted)
+
+
+def queue_behind_b(engine):
+    """B first, then A (A waits: B's backlog fills the step budget); run one step, let A's reads land."""
+    engine.add_request("b", B, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.add_request("a", A, GREEDY)
+    first = engine.step()
+    assert engine.requests["a"] in engine.scheduler.waiting and all(o.request_id == "b" for o in first)
+    engine.ctrl.worker.wait_idle()
+    return run_all(engine)["a"]
+
+
+def test_queued_request_loads_its_disk_prefix_from_host(tiny, tmp_path):
+    want = reference(tiny, tmp_path)  # A recomputed; A's pages are now on L3 only (after a restart)
+
+    alone = slow_disk_engine(tiny, tmp_path / "l3")
+    ids, _, out = run_all_one(alone)
+    assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 0}  # disk too slow
+    alone.close()
+
+    engine = slow_disk_engine(tiny, tmp_path / "l3")
+    ids, _, out = queue_behind_b(engine)
+    assert ids == want
+    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 60}  # from L3, via host memory
+    cache = engine.stats()["cache"]
+    assert cache["prefetched_pages"] == 15 and cache["pages_promoted"]["disk->host"] == 15
+    assert_no_leaks(engine)
+    engine.close()
+
+    off = slow_disk_engine(tiny, tmp_path / "l3", cache__load_policy__prefetch=False)
+    ids, _, out = queue_behind_b(off)
+    assert ids == want and out.usage.cached_tokens["disk"] == 0
+    assert off.stats()["cache"]["prefetched_pages"] == 0
+    off.close()
+
+
+def run_all_one(engine):
+    engine.add_request("a", A, GREEDY)
+    return run_all(engine)["a"]
