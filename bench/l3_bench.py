@@ -147,30 +147,38 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sync-batch-pages", type=int, default=32, help="store sync_batch_pages")
     parser.add_argument("--unaligned", action="store_true", help="pages in an ordinary (64 B-aligned) tensor")
+    parser.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "posix", "kvikio", "buffered"],
+                        help="store I/O paths to measure with host pages (the first is the headline 'store')")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     total = args.pages * args.page_bytes
     raw = raw_best(args.dir, total, args.threads, args.repeats)
-    store = store_throughput(args.dir, args.page_bytes, args.pages, args.batch, args.threads, args.repeats,
-                             aligned=not args.unaligned, sync_batch_pages=args.sync_batch_pages)
+    stores = {b: store_throughput(args.dir, args.page_bytes, args.pages, args.batch, args.threads, args.repeats,
+                                  aligned=not args.unaligned, backend=b, sync_batch_pages=args.sync_batch_pages)
+              for b in args.backends}
+    store = stores[args.backends[0]]
     result = {"dir": args.dir, "page_bytes": args.page_bytes, "pages": args.pages, "batch": args.batch,
               "threads": args.threads, "sync_batch_pages": args.sync_batch_pages,
               "aligned_pool": not args.unaligned, "raw": raw, "store": store,
               "write_ratio": store["write"] / raw["write"]["best"],
-              "read_ratio": store["read"] / raw["read"]["best"]}
+              "read_ratio": store["read"] / raw["read"]["best"],
+              "stores": {b: {**r, "write_ratio": r["write"] / raw["write"]["best"],
+                             "read_ratio": r["read"] / raw["read"]["best"]} for b, r in stores.items()}}
     if torch.cuda.is_available():
         try:
             result["kvikio_gpu"] = store_throughput(args.dir, args.page_bytes, args.pages, args.batch,
-                                                    args.threads, args.repeats, True, "kvikio", "cuda")
+                                                    args.threads, args.repeats, True, "kvikio", "cuda",
+                                                    args.sync_batch_pages)
         except Exception as e:  # kvikio missing or GDS unavailable: report, do not fail the run
             result["kvikio_gpu"] = {"error": str(e)}
     print(f"{args.pages} pages x {args.page_bytes} B in {args.dir} ({store['io_backend']}, "
           f"{'unaligned' if args.unaligned else 'aligned'} pool, batch {args.batch}, "
           f"{args.threads} threads, sync every {args.sync_batch_pages} pages)")
     for op in ("write", "read"):
-        print(f"  {op:5s} store {store[op] / GB:6.2f} GB/s   raw best {raw[op]['best'] / GB:6.2f} GB/s "
-              f"(dd {raw[op]['dd'] / GB:.2f}, python {raw[op][f'python_{args.threads}_threads'] / GB:.2f})"
-              f"   ratio {result[op + '_ratio']:.2f}")
+        print(f"  {op:5s} raw best {raw[op]['best'] / GB:6.2f} GB/s "
+              f"(dd {raw[op]['dd'] / GB:.2f}, python {raw[op][f'python_{args.threads}_threads'] / GB:.2f})")
+        for b, r in result["stores"].items():
+            print(f"        store [{b} -> {r['io_backend']}] {r[op] / GB:6.2f} GB/s   ratio {r[op + '_ratio']:.2f}")
     if "kvikio_gpu" in result and "read" in result["kvikio_gpu"]:
         kv = result["kvikio_gpu"]
         kv["write_ratio"], kv["read_ratio"] = kv["write"] / raw["write"]["best"], kv["read"] / raw["read"]["best"]

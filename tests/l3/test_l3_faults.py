@@ -51,6 +51,35 @@ def test_write_error_degrades_and_indexes_nothing(open_store, monkeypatch, code)
     store.check_integrity()
 
 
+def test_failed_sync_of_one_group_keeps_the_groups_before_it(open_store, monkeypatch):
+    """Groups of one call are pipelined (a group syncs while the next writes): a failed fdatasync of the
+    second group indexes neither it nor anything after it, and keeps the first."""
+    store = open_store(pages=16, sync_batch_pages=2, degraded_retry_s=3600)
+    real, calls = os.fdatasync, []
+
+    def second_fails(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "injected")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", second_fails)
+    assert _write(store, range(7)) == [True, True] + [False] * 5
+    stats = store.stats()
+    assert stats["state"] == "degraded" and stats["pages"] == 2
+    assert store.contains([key(i) for i in range(7)]) == [True] * 2 + [False] * 5
+    assert _reads_back(store, range(2)) == [True, True]
+    store.check_integrity()
+
+
+def test_groups_of_one_call_all_land(open_store):
+    store = open_store(pages=16, sync_batch_pages=3)
+    assert all(_write(store, range(11)))
+    assert store.stats()["fsyncs"] == 4
+    assert _reads_back(store, range(11)) == [True] * 11
+    store.check_integrity()
+
+
 def test_degraded_store_recovers_after_a_successful_probe(open_store, monkeypatch):
     store = open_store(degraded_retry_s=0)
     monkeypatch.setattr(os, "fdatasync", _raise(errno.EIO))

@@ -199,11 +199,11 @@ class KvikioSlotIO:
 
     def _run(self, method, slots, tensors, digest_first: bool) -> list[SlotResult]:
         results = [SlotResult() for _ in slots]
-        if digest_first:
-            for r, t in zip(results, tensors):
-                r.digest = self._digest(t)
         futures = [method(self._buffer(t), self.page_bytes, self.slab.header.slot_offset(s))
                    for s, t in zip(slots, tensors)]
+        if digest_first:  # writes: checksum the source while kvikio's threads write it (both only read it)
+            for r, t in zip(results, tensors):
+                r.digest = self._digest(t)
         for i, future in enumerate(futures):
             try:
                 n = future.get()

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import lmdb
@@ -91,6 +92,7 @@ class L3Store:
         self._index = None
         self._slab: SlabFile | None = None
         self._io = None
+        self._syncer: ThreadPoolExecutor | None = None  # a group's fdatasync + commit while the next writes
         try:
             self._open(capacity_bytes, io_backend, io_threads, max_io_bytes)
         except BaseException:
@@ -272,15 +274,31 @@ class L3Store:
                 self._in_flight.pop(keys[i], None)
             self._counters["no_slot"] += len(todo) - len(slots)
         todo = todo[:len(slots)]
-        # pages [g, g + sync_batch_pages) share one fdatasync and one index transaction
-        for g in range(0, len(todo), self.sync_batch_pages):
-            group = todo[g:g + self.sync_batch_pages]
-            group_slots = slots[g:g + self.sync_batch_pages]
-            if self._state == "degraded":
-                self._finish_writes(keys, group, group_slots, [None] * len(group), results)
-                continue
-            digests = self._write_group(keys, pages, group, group_slots)
-            self._finish_writes(keys, group, group_slots, digests, results)
+        # pages [g, g + sync_batch_pages) share one fdatasync and one index transaction; a group's sync and
+        # commit run on the syncer thread while the next group is written, so the disk never waits for
+        # them (fdatasync covers every write completed before it starts: the group's own, at least)
+        step = self.sync_batch_pages
+        groups = [(todo[g:g + step], slots[g:g + step]) for g in range(0, len(todo), step)]
+        previous = None
+        try:
+            for group, group_slots in groups:
+                if self._state == "degraded":
+                    self._finish_writes(keys, group, group_slots, [None] * len(group), results)
+                    continue
+                outcomes = self._io.write(group_slots, [pages[i] for i in group])
+                if previous is not None:
+                    previous.result()
+                    previous = None
+                if len(groups) == 1:
+                    self._sync_and_finish(keys, group, group_slots, outcomes, results)
+                else:
+                    if self._syncer is None:
+                        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-sync")
+                    previous = self._syncer.submit(self._sync_and_finish, keys, group, group_slots, outcomes,
+                                                   results)
+        finally:
+            if previous is not None:
+                previous.result()
 
     def read_pages(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Copy stored pages into `out`; True only if the bytes verified against the stored checksum.
@@ -398,6 +416,9 @@ class L3Store:
     # ---- internals ----
 
     def _release(self) -> None:
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
         for resource in (self._io, self._slab, self._index):
             if resource is not None:
                 resource.close()
@@ -479,9 +500,13 @@ class L3Store:
                 self._in_flight[key] = slot
             return victims, slots
 
-    def _write_group(self, keys, pages, group: list[int], slots: list[int]) -> list[int | None]:
-        """Write and sync one group; returns each page's checksum, None where the write failed."""
-        outcomes = self._io.write(slots, [pages[i] for i in group])
+    def _sync_and_finish(self, keys, group: list[int], slots: list[int], outcomes, results: list[bool]) -> None:
+        """Sync one written group and commit its index entries (none once an earlier group degraded the store)."""
+        digests = [None] * len(group) if self._state == "degraded" else self._sync_group(outcomes)
+        self._finish_writes(keys, group, slots, digests, results)
+
+    def _sync_group(self, outcomes) -> list[int | None]:
+        """fdatasync a written group; returns each page's checksum, None where the write or sync failed."""
         digests = [o.digest if o.error is None else None for o in outcomes]
         failed = [o.error for o in outcomes if o.error is not None]
         if failed:
