@@ -4,6 +4,11 @@ The controller never blocks on the disk. It submits writes (host pages -> L3) an
 (L3 -> host pages); results come back as completions that the controller applies on its own
 thread in `poll()`. When the write queue holds `queue_pages` pages, further writes are refused
 and the controller counts them as dropped instead of stalling compute.
+
+Reads come first: a request waits for them, while writes are background work. The writer starts no
+new batch while reads are queued or running (for at most `READ_PRIORITY_MAX_WAIT_S` at a time, so a
+steady stream of reads cannot starve it), so a disk busy with write-through traffic still serves
+reads at close to its full speed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+READ_PRIORITY_MAX_WAIT_S = 1.0  # longest a write batch waits for reads to drain
 
 
 @dataclass
@@ -49,6 +56,7 @@ class L3Worker:
         self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._queued_pages = 0
         self._outstanding = 0
+        self._reads_active = 0  # reads queued or running
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._writes: queue.Queue[_WriteJob | None] = queue.Queue()
@@ -83,6 +91,7 @@ class L3Worker:
         """Read keys into page buffers; the completion says which pages were read and verified."""
         with self._lock:
             self._outstanding += 1
+            self._reads_active += 1
         if self.synchronous:
             self._run_read(token, list(keys), list(pages))
         else:
@@ -118,7 +127,14 @@ class L3Worker:
         with self._idle:
             self._queued_pages -= pages
             self._outstanding -= 1
+            if completion.kind == "read":
+                self._reads_active -= 1
             self._idle.notify_all()
+
+    def _yield_to_reads(self) -> None:
+        """Wait (bounded) until no read is queued or running."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._reads_active == 0 or self._closed, READ_PRIORITY_MAX_WAIT_S)
 
     def _write_loop(self) -> None:
         while True:
@@ -137,6 +153,7 @@ class L3Worker:
                     break
                 batch.append(nxt)
                 pages += len(nxt.keys)
+            self._yield_to_reads()
             self._run_writes(batch)
 
     def _run_writes(self, batch: list[_WriteJob]) -> None:
