@@ -125,8 +125,7 @@ class Scheduler:
         req.needs_stream_wait = True  # the tail (and gap pages another request loaded) came by copy
         if req.ticket.failed or not req.ticket.ready():
             self.running.remove(req)
-            req.status = Status.LOADING
-            self.loading.append(req)
+            self._wait_for_loads(req)
 
     def _pages_needed(self, req: Request) -> int:
         """GPU pages req will hold: its whole prompt (cached prefix loaded + the rest computed) and some
@@ -178,8 +177,12 @@ class Scheduler:
         if ticket.prefix_ready() and not ticket.failed:
             self._start(req)
         else:
-            req.status = Status.LOADING
-            self.loading.append(req)
+            self._wait_for_loads(req)
+
+    def _wait_for_loads(self, req: Request) -> None:
+        """req waits in LOADING until its ticket's loads land (settle moves it back to RUNNING)."""
+        req.status = Status.LOADING
+        self.loading.append(req)
 
     def _start(self, req: Request) -> None:
         req.status = Status.RUNNING
@@ -187,12 +190,17 @@ class Scheduler:
 
     def _plan(self) -> list[tuple[Request, int]]:
         plan: dict[Request, int] = {}
+        for req in list(self.running):
+            if req.awaiting_loads:
+                self._check_loads(req)
         for req in list(self.running):  # decodes: one token each, oldest first
+            if req.awaiting_loads:
+                continue
             if req.status is Status.RUNNING and len(req.token_ids) - req.computed == 1 and self._reserve(req, 1, plan):
                 plan[req] = 1
         budget = self.chunk_tokens - len(plan)
         for req in list(self.running):  # prefill chunks within the budget, oldest first
-            if req.status is not Status.RUNNING or req in plan:  # (preempted above: no ticket)
+            if req.status is not Status.RUNNING or req in plan or req.awaiting_loads:  # (preempted: no ticket)
                 continue
             gap = req.ticket.gap
             remaining = (gap[1] * self.page_size if gap else len(req.token_ids)) - req.computed
@@ -207,6 +215,16 @@ class Scheduler:
             elif req.status is Status.RUNNING:
                 break  # stalled for pages: newer requests would not get any either
         return list(plan.items())
+
+    def _check_loads(self, req: Request) -> None:
+        """A running request whose pages are another request's loads: go on once they land, start over
+        (preempted: its re-admission recomputes what failed) if one failed."""
+        if req.ticket.failed:
+            req.awaiting_loads = False
+            self.preempt(req)
+        elif req.ticket.ready():
+            req.awaiting_loads = False
+            req.needs_stream_wait = True  # the copies ran on the copy stream
 
     def _reserve(self, req: Request, n: int, plan: dict[Request, int]) -> bool:
         """Give req GPU pages for n more tokens, preempting newer requests if needed; False if it can't run."""
@@ -254,6 +272,9 @@ class Scheduler:
             req.pages[k:full] = self.ctrl.commit_gap(req.ticket, req.token_ids, req.pages[k:full])
         else:
             canonical = self.ctrl.commit(req.ticket, req.token_ids[: full * self.page_size], req.pages[:full])
+            if canonical != req.pages[:full] and not req.ticket.ready():
+                # another request's copy of these pages won, and it is still loading: wait for it
+                req.awaiting_loads = True
             req.pages[:full] = canonical
         req.committed_pages = full
 

@@ -3,8 +3,10 @@ compute, so at admission it loads from host even where the disk is too slow to b
 
 from __future__ import annotations
 
+import dataclasses
+
 from sched_helpers import assert_no_leaks, run_all
-from test_sched_overlap import GREEDY, PAGE, A, l3_engine, reference
+from test_sched_overlap import GREEDY, PAGE, A, hold_reads, l3_engine, reference
 
 from hicache.engine.params import SamplingParams
 
@@ -58,3 +60,40 @@ def test_queued_request_loads_its_disk_prefix_from_host(tiny, tmp_path):
 def run_all_one(engine):
     engine.add_request("a", A, GREEDY)
     return run_all(engine)["a"]
+
+
+def test_request_waits_for_pages_another_request_is_loading(tiny, tmp_path):
+    """Y recomputes A (the disk is slow); W then loads A's later pages (mode always). When Y commits those
+    pages, W's copies win the dedup while still in flight: Y must not run on them until they land."""
+    want = reference(tiny, tmp_path)
+    engine = slow_disk_engine(tiny, tmp_path / "l3")
+    go = hold_reads(engine)
+    engine.add_request("y", A, GREEDY)
+    tokens: dict[str, list[int]] = {"y": [], "w": []}
+
+    def step():
+        for o in engine.step():
+            tokens[o.request_id] += o.new_token_ids
+        engine.ctrl.check_integrity()
+
+    step()  # Y: 4 pages computed, the rest on L3 only
+    y = engine.requests["y"]
+    assert y.computed == 16 and sum(y.cached_tokens.values()) == 0
+    engine.ctrl.cost = dataclasses.replace(engine.ctrl.cost, mode="always")
+    engine.add_request("w", A, GREEDY)
+    blocked = False
+    for _ in range(20):
+        step()
+        blocked = blocked or y.awaiting_loads
+        if blocked and y.computed < len(A):
+            break
+    assert blocked and engine.requests["w"].cached_tokens["disk"] > 0
+    computed = y.computed
+    step()
+    assert y.computed == computed  # not planned while its pages load
+    go.set()
+    for rid, (ids, _, _) in run_all(engine).items():
+        tokens[rid] += ids
+    assert tokens == {"y": want, "w": want}
+    assert_no_leaks(engine)
+    engine.close()
