@@ -52,18 +52,32 @@ def main() -> None:
     ap.add_argument("--url", required=True)
     ap.add_argument("--prefix-tokens", type=int, default=8192)
     ap.add_argument("--evictors", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat with new prefixes; medians are reported")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json")
     args = ap.parse_args()
+    rounds = []
     with httpx.Client(timeout=600) as client:
         model = client.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-        prefix = text_of(args.prefix_tokens, args.seed)
-        first = request(client, args.url, model, prefix + " first question?")
-        for i in range(args.evictors):
-            request(client, args.url, model, text_of(args.prefix_tokens, 1000 + args.seed * 100 + i))
-        final = request(client, args.url, model, prefix + " second question?")
-    result = {"prefix_tokens": args.prefix_tokens, "first": first, "final": final}
-    print(json.dumps(result, indent=2))
+        for r in range(args.rounds):
+            seed = args.seed + 7919 * r
+            prefix = text_of(args.prefix_tokens, seed)
+            first = request(client, args.url, model, prefix + " first question?")
+            for i in range(args.evictors):
+                request(client, args.url, model, text_of(args.prefix_tokens, 1000 + seed * 100 + i))
+            final = request(client, args.url, model, prefix + " second question?")
+            rounds.append({"first": first, "final": final})
+            print(f"round {r}: first {first['ttft_s']:.3f} s, final {final['ttft_s']:.3f} s, cached "
+                  f"{final['usage']['prompt_tokens_details']}", flush=True)
+
+    def median(key: str) -> float:
+        values = sorted(r[key]["ttft_s"] for r in rounds)
+        return values[len(values) // 2]
+
+    result = {"prefix_tokens": args.prefix_tokens, "rounds": rounds,
+              "median_first_ttft_s": median("first"), "median_final_ttft_s": median("final"),
+              "first": rounds[0]["first"], "final": rounds[0]["final"]}
+    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

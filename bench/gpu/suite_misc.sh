@@ -17,15 +17,16 @@ rm -rf /tmp/hicache-l3-nr
 nr nr32k_off 8203 "$OFF" 8 32768 8
 nr nr32k_on 8204 "$ON" 8 32768 8
 rm -rf /tmp/hicache-l3-nr
-L3R="python3 bench/gpu/l3_vs_recompute.py --url \$URL --prefix-tokens 8192 --evictors 6"
+L3R="python3 bench/gpu/l3_vs_recompute.py --url \$URL --prefix-tokens 8192 --evictors 6 --rounds 3"
 SMALL="--device-tokens 16384 --host-tokens 16384 --disk-tokens 131072"
-for mode in auto always; do
+l3r() {  # name port serve-flags
   rm -rf /tmp/hicache-l3-r
-  bash bench/gpu/serve_and_bench.sh "l3r_$mode" $((8300 + ${#mode})) "$SMALL --l3-path /tmp/hicache-l3-r --load-mode $mode" \
-    "$L3R --json \$OUT/l3r_$mode.json" 2>&1 | grep -E '"ttft_s"|==' 
-done
-bash bench/gpu/serve_and_bench.sh l3r_off 8399 "--device-tokens 16384 --host-tokens 0 --no-l3" \
-  "$L3R --json \$OUT/l3r_off.json" 2>&1 | grep -E '"ttft_s"|=='
+  bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3" "$L3R --json \$OUT/$1.json" 2>&1 | grep -E '^round|median|==|Error'
+}
+l3r l3r_off 8301 "--device-tokens 16384 --host-tokens 0 --no-l3"
+l3r l3r_auto 8302 "$SMALL --l3-path /tmp/hicache-l3-r --load-mode auto"
+l3r l3r_overlap 8303 "$SMALL --l3-path /tmp/hicache-l3-r --load-mode auto --load-overlap"
+l3r l3r_always 8304 "$SMALL --l3-path /tmp/hicache-l3-r --load-mode always"
 # the device returns at most 8 files: pack every result, metrics and log file of this suite into one archive
 out=${OUT:-/tmp}
 (cd "$out" && tar czf suite_misc.tgz --remove-files $(ls | grep -v '\.tgz$')) && echo "results: $out/suite_misc.tgz"
