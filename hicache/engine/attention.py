@@ -98,16 +98,20 @@ def paged_attention(
 ) -> Tensor:
     """Write this step's K/V into the pool, then attend each query to its sequence's cached + new keys.
 
-    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; kv_layer: [2, num_pages, page_size,
-    num_kv_heads, head_dim], a view into the pool (written in place). Returns [T, num_heads, head_dim].
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (may be strided views of one qkv tensor);
+    kv_layer: [2, num_pages, page_size, num_kv_heads, head_dim], a view into the pool (written in place).
+    Returns [T, num_heads, head_dim], not necessarily contiguous.
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_pool = kv_layer[0].view(-1, num_kv_heads, head_dim)
     v_pool = kv_layer[1].view(-1, num_kv_heads, head_dim)
     k_pool[out_slots] = k
     v_pool[out_slots] = v
-    out = torch.empty_like(q)
     with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
+        if not plan.decode_rows.numel() and len(plan.prefill) == 1:
+            # the whole batch is one sequence's prefill: SDPA's output is the result, no copy into `out`
+            return _attend_prefill(q, k, v, k_pool, v_pool, *plan.prefill[0])
+        out = torch.empty_like(q)
         _attend(q, k, v, k_pool, v_pool, plan, out)
     return out
 
@@ -128,22 +132,31 @@ def _attend(
         out[plan.decode_rows] = o_dec.reshape(num_decode, num_heads, head_dim)
 
     for start, end, slots, mask in plan.prefill:
-        # SDPA's fused (flash / memory-efficient) kernels need 4-D [batch, heads, len, head_dim] inputs
-        q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
-        if mask is None:  # nothing cached: the keys are exactly this step's
-            k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-        else:
-            k_seq = k_pool[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-            v_seq = v_pool[slots].transpose(0, 1)
-        if group > 1:
-            k_seq = k_seq.repeat_interleave(group, dim=0)
-            v_seq = v_seq.repeat_interleave(group, dim=0)
-        k_seq, v_seq = k_seq.unsqueeze(0), v_seq.unsqueeze(0)
-        if mask is None:
-            o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True)
-        elif q.is_cuda:  # queries are the last new_len positions: causal aligned to the bottom right
-            bias = causal_lower_right(end - start, slots.numel())
-            o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=bias)
-        else:
-            o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=mask)
-        out[start:end] = o_seq[0].transpose(0, 1)
+        out[start:end] = _attend_prefill(q, k, v, k_pool, v_pool, start, end, slots, mask)
+
+
+def _attend_prefill(
+    q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, start: int, end: int, slots: Tensor,
+    mask: Tensor | None,
+) -> Tensor:
+    """Attention output [end - start, num_heads, head_dim] of one sequence's new tokens (rows start:end)."""
+    group = q.shape[1] // k.shape[1]
+    # SDPA's fused (flash / memory-efficient) kernels need 4-D [batch, heads, len, head_dim] inputs
+    q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
+    if mask is None:  # nothing cached: the keys are exactly this step's
+        k_seq, v_seq = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+    else:
+        k_seq = k_pool[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+        v_seq = v_pool[slots].transpose(0, 1)
+    if group > 1:
+        k_seq = k_seq.repeat_interleave(group, dim=0)
+        v_seq = v_seq.repeat_interleave(group, dim=0)
+    k_seq, v_seq = k_seq.unsqueeze(0), v_seq.unsqueeze(0)
+    if mask is None:
+        o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True)
+    elif q.is_cuda:  # queries are the last new_len positions: causal aligned to the bottom right
+        bias = causal_lower_right(end - start, slots.numel())
+        o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=bias)
+    else:
+        o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=mask)
+    return o_seq[0].transpose(0, 1)  # flash / efficient SDPA: a contiguous [len, heads, head_dim] already

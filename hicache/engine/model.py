@@ -2,7 +2,8 @@
 
 The model owns weights only. KV lives in the pool tensor passed to `forward`:
 ``kv[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]`` (0 = K, 1 = V).
-Parameter names follow Hugging Face's without the leading ``model.``, so HF checkpoints load as-is.
+Parameter names follow Hugging Face's without the leading ``model.``, so HF checkpoints load as-is; the
+loaders then call `LlamaModel.fuse_projections` (one qkv and one gate/up GEMM per layer).
 """
 
 from __future__ import annotations
@@ -165,15 +166,52 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [T, heads, head_dim] by position (half-split layout, as HF). cos/sin: [T, 1, head_dim]."""
+def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [T, heads, head_dim] in place by position (half-split layout, as HF); returns x.
+
+    cos: [T, 1, head_dim] as HF's; sin: [T, 1, head_dim] with its first half negated (see `rope_cos_sin`), so
+    that HF's ``x * cos + cat(-x2, x1) * sin`` becomes ``x * cos + cat(x2, x1) * sin``: one copy and two
+    elementwise kernels. x may be a strided view (the q and k heads of a fused qkv projection).
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x.mul_(cos).addcmul_(swapped, sin)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and half-negated sin [T, 1, head_dim] in `dtype` for `apply_rope_`, computed in float32."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :]
+    sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of `parts`' outputs (weights and biases concatenated)."""
+    has_bias = parts[0].bias is not None
+    if any((p.bias is not None) != has_bias for p in parts):
+        raise ValueError("cannot fuse projections with and without bias")
+    weight = torch.cat([p.weight.detach() for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta", dtype=weight.dtype)
+    requires_grad = parts[0].weight.requires_grad
+    fused.weight = nn.Parameter(weight, requires_grad=requires_grad)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=requires_grad)
+    return fused
+
+
+def _add_linear_(residual: Tensor, x: Tensor, linear: nn.Linear) -> Tensor:
+    """residual += linear(x) in place, the add fused into the matmul (beta=1 GEMM); linear has no bias."""
+    return residual.addmm_(x, linear.weight.t())
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32."""
+    """Root-mean-square norm, statistics in float32 (`F.rms_norm`: one fused kernel on CUDA).
+
+    In float32 this is HF's LlamaRMSNorm. In bf16/fp16 the weight is applied before the single rounding to
+    the input dtype, where HF rounds the normalised value first: the two differ by bf16 rounding.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -181,13 +219,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE, reading and writing one layer of the paged KV pool."""
+    """Grouped-query self-attention with RoPE, reading and writing one layer of the paged KV pool.
+
+    Loads with HF's separate q/k/v projections; `fuse` replaces them with one `qkv_proj`.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -201,34 +240,57 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Replace q_proj, k_proj, v_proj by one qkv_proj (rows q, then k, then v); no-op once fused."""
+        if self.qkv_proj is None:
+            self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            self.q_proj = self.k_proj = self.v_proj = None
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_layer: Tensor, out_slots: Tensor, plan
+        self, x: Tensor, residual: Tensor, cos: Tensor, sin: Tensor, kv_layer: Tensor, out_slots: Tensor, plan
     ) -> Tensor:
+        """Add the attention output of x (normed) to `residual` in place and return it."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        qkv = qkv.view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k heads in one pass
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_layer, out_slots, plan)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return _add_linear_(residual, out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). `fuse` replaces gate_proj and up_proj by gate_up_proj."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self) -> None:
+        """Replace gate_proj and up_proj by one gate_up_proj (rows gate, then up); no-op once fused."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
+            self.gate_proj = self.up_proj = None
+
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        """Add the feed-forward output of x (normed) to `residual` in place and return it."""
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # strided views; silu * up written into gate
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return _add_linear_(residual, F.silu(gate, inplace=True).mul_(up), self.down_proj)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), both added to x in place."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -240,12 +302,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_layer: Tensor, out_slots: Tensor, plan
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, out_slots, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), x, cos, sin, kv_layer, out_slots, plan)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class LlamaModel(nn.Module):
-    """Decoder-only Llama-family model; build on the meta device, then `load_state_dict(..., assign=True)`."""
+    """Decoder-only Llama-family model.
+
+    Build on the meta device, `load_state_dict(..., assign=True)` (HF names), then `fuse_projections()`.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -277,16 +342,31 @@ class LlamaModel(nn.Module):
         """The KV cache namespace for this model at its current dtype."""
         return self.config.fingerprint_fields(self.dtype)
 
+    def fuse_projections(self) -> LlamaModel:
+        """Concatenate each layer's q/k/v projections into one `qkv_proj` and gate/up into one `gate_up_proj`.
+
+        Called by the loaders once the checkpoint (HF parameter names) is loaded; the separate weights are
+        released, so `state_dict()` afterwards has the fused names. Same results as unfused up to the matmul's
+        rounding; fewer, larger GEMMs. Idempotent; returns self.
+        """
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+        if self.device.type == "cuda":  # hand the released separate weights' cached blocks back to the driver
+            torch.cuda.empty_cache()
+        return self
+
     def _rope_cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return rope_cos_sin(self._inv_freq, positions, dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: Tensor, page_size: int, all_logits: bool = False) -> Tensor:
         """Run the new tokens of every sequence, writing their K/V into `kv` at `batch.out_slots`.
+
+        The residual stream is updated in place (inference only).
 
         Returns float32 logits of the last new token of each sequence, [num_seqs, vocab], or of every
         new token, [T, vocab], when `all_logits`.

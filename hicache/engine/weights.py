@@ -182,7 +182,8 @@ def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> tu
     with torch.device("meta"):
         model = LlamaModel(config)
     model.load_state_dict(state, strict=True, assign=True)
-    model.eval()
+    del state  # the model holds the tensors now; fusing below releases the separate projections
+    model.fuse_projections().eval()
 
     generation_path = directory / "generation_config.json"
     eos_ids = list(config.eos_token_ids)
@@ -232,5 +233,6 @@ def load_random(preset: str, dtype: torch.dtype, device: torch.device) -> tuple[
             tensor.normal_(0.0, 0.02, generator=generator)
         state[key] = tensor
     model.load_state_dict(state, strict=True, assign=True)
-    model.eval()
+    del state
+    model.fuse_projections().eval()
     return model, tokenizer
