@@ -31,7 +31,7 @@ from controller.cost import CostModel, LoadPlan
 from controller.l3_io import L3Worker
 from controller.policy import WritePolicy
 from controller.stats import CacheStats
-from controller.ticket import FAILED, PREFETCHED, DiskLoad, LoadTicket
+from controller.ticket import FAILED, PREFETCHED, DiskLoad, LoadTicket, PrefetchHold
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode, page_keys
 from tiers.copy import COMPLETED, TransferHandle
 
@@ -87,7 +87,7 @@ class TierController:
         self._invalid: dict[int, TreeNode] = {}  # nodes whose load failed, removed once unlocked
         self._bounced: set[int] = set()  # node ids whose L3 write carries its own copy of the bytes
         self.prefetch_enabled = prefetch and l3 is not None
-        self._prefetching = 0  # host pages held by prefetch reads in flight
+        self._prefetching = 0  # pages read by prefetch holds not yet released
         self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
 
     # ------------------------------------------------------------------ matching and loading
@@ -260,20 +260,22 @@ class TierController:
         self._disk_read_free_at = start + (pages * self.page_bytes / bw if bw else 0.0)
         return self._disk_read_free_at
 
-    def prefetch(self, tokens: Sequence[int], max_pages: int | None = None) -> int:
-        """Start L3 -> host reads for the pages of tokens' cached prefix that are only on disk.
+    def prefetch(self, tokens: Sequence[int], max_pages: int | None = None) -> PrefetchHold:
+        """Hold a queued request's cached prefix in host memory until it is admitted.
 
-        For a request that waits in the queue: its disk pages travel while other requests compute, so
-        when it is admitted they load from host memory (the GPU is not touched). Reads hold at most half
-        the host pool; the prefix is locked while host pages are found, and each read's node is pinned
-        until it lands. Returns the pages whose reads were started.
+        Pages only on disk start reading into host memory, so they travel while other requests compute
+        and the request loads them from host when admitted (the GPU is not touched). Those nodes, and
+        nodes an earlier prefetch brought in, are pinned (host eviction passes them over) until the caller
+        gives the hold back with `release_prefetch`. Reads held at once cover at most half the host pool;
+        the prefix is locked while host pages are found.
         """
+        hold = PrefetchHold()
         if not self.prefetch_enabled:
-            return 0
+            return hold
         m = self.match(tokens)
         budget = self.host.capacity_pages // 2 - self._prefetching
         self.tree.lock(m.last_node)  # host room is made from other pages than this prefix's
-        started = pos = 0
+        pos = 0
         try:
             for node, tier in m.segments:
                 if node.pending is FAILED or node.id in self._invalid:
@@ -281,25 +283,37 @@ class TierController:
                 if max_pages is not None and pos >= max_pages:
                     break
                 pos += node.num_pages
-                if tier != DISK or node.loc[1] is not None or isinstance(node.pending, DiskLoad):
-                    continue
                 n = node.num_pages
-                if n > budget - started:
-                    break
-                host_pages = self._allocate(HOST, n)
-                if host_pages is None:
-                    self.stats.drops["host_full_on_prefetch"] += n
-                    break
-                node.pending = DiskLoad(host_pages, to_device=False, pinned=True, eta=self._disk_eta(n))
-                self.tree.pin(node)
-                self._loading[node.id] = node
-                self._prefetching += n
-                self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
-                started += n
+                if node.loc[0] is None and ((node.pending is PREFETCHED and node.loc[1] is not None)
+                                            or isinstance(node.pending, DiskLoad)):
+                    self.tree.pin(node)  # brought in (or coming) for another queued request: hold it too
+                    hold.pins.append((node, 0))
+                elif tier == DISK and node.loc[1] is None:
+                    if n > budget - hold.started:
+                        break
+                    host_pages = self._allocate(HOST, n)
+                    if host_pages is None:
+                        self.stats.drops["host_full_on_prefetch"] += n
+                        break
+                    node.pending = DiskLoad(host_pages, to_device=False, pinned=True, eta=self._disk_eta(n))
+                    self._loading[node.id] = node
+                    self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
+                    self.tree.pin(node)
+                    self._prefetching += n
+                    hold.started += n
+                    hold.pins.append((node, n))
         finally:
             self.tree.unlock(m.last_node)
-        self.stats.prefetched_pages += started
-        return started
+        self.stats.prefetched_pages += hold.started
+        return hold
+
+    def release_prefetch(self, hold: PrefetchHold) -> None:
+        """Give back a prefetch hold (the request was admitted, or left the queue)."""
+        for node, n in hold.pins:
+            self.tree.unpin(node)
+            self._prefetching -= n
+        hold.pins = []
+        self._remove_invalid()
 
     def wait_ticket(self, ticket: LoadTicket, timeout: float | None = None) -> bool:
         """Block until the ticket is ready (for callers with nothing else to do); False on timeout."""
@@ -519,9 +533,6 @@ class TierController:
                 self._loading.pop(node.id, None)
                 load: DiskLoad = node.pending
                 parts = self._pieces(node, lambda p, load=load: p.pending is load)  # the node may have been split
-                if load.pinned:
-                    self.tree.unpin(node)
-                    self._prefetching -= n
                 if all(c.results):
                     offset = 0
                     for part in parts:

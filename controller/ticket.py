@@ -38,9 +38,9 @@ class DiskLoad:
     """Marker in TreeNode.pending while an L3 -> host read for the node is in flight.
 
     `to_device`: the read continues to the node's GPU pages (a request's load); a prefetch for a queued
-    request stops in host memory unless a request claims the node before the read lands. `pinned`: the
-    node is pinned (prefetches are; a request's loads are locked by its ticket). `eta`: when the read
-    is expected to land (monotonic seconds; the cost model's view of the disk queue).
+    request stops in host memory unless a request claims the node before the read lands. `pinned`: a
+    prefetch's read (its node is pinned by a PrefetchHold; a request's loads are locked by its ticket).
+    `eta`: when the read is expected to land (monotonic seconds; the cost model's view of the disk queue).
     """
 
     def __init__(self, host_pages: list[int], to_device: bool = True, pinned: bool = False, eta: float = 0.0):
@@ -54,6 +54,20 @@ class DiskLoad:
 
     def wait(self) -> None:
         raise RuntimeError("wait on a disk load: call TierController.wait_ticket instead")
+
+
+@dataclass
+class PrefetchHold:
+    """What `TierController.prefetch` holds for a queued request: nodes pinned in host memory (or on
+    their way there) until the request is admitted and calls `release_prefetch`."""
+
+    pins: list[tuple[TreeNode, int]] = field(default_factory=list)  # (pinned node, pages this hold read)
+    started: int = 0  # pages whose L3 reads this call started
+
+    @property
+    def pages(self) -> int:
+        """Pages held (read by this hold or by another)."""
+        return sum(node.num_pages for node, _ in self.pins)
 
 
 @dataclass

@@ -193,17 +193,23 @@ def on_disk_only(l3: MemoryL3, tokens: list[int], **sizes) -> Harness:
     return Harness(l3=l3, **sizes)
 
 
-def test_prefetch_reads_disk_pages_into_host_only():
+def test_prefetch_reads_disk_pages_into_host_and_holds_them():
     l3 = MemoryL3(32, LAYOUT.page_bytes)
     h = on_disk_only(l3, seq(7, 3), device=4, host=8)
-    assert h.ctrl.prefetch(seq(7, 3), max_pages=3) == 3
+    hold = h.ctrl.prefetch(seq(7, 3), max_pages=3)
+    assert hold.started == 3 and hold.pages == 3
     h.ctrl.poll()
     node = h.ctrl.tree.match_prefix(seq(7, 3), touch=False).last_node
-    assert node.loc[0] is None and node.loc[1] is not None and node.pin_ref == 0
+    assert node.loc[0] is None and node.loc[1] is not None and node.pin_ref == 1
     assert h.dev.used_pages() == 0 and h.host.used_pages() == 3 and h.ctrl.stats.prefetched_pages == 3
-    assert h.ctrl.prefetch(seq(7, 3), max_pages=3) == 0  # already in host memory
+    assert h.ctrl.tree.pop_evictable(HOST) is None  # held for the queued request
+    again = h.ctrl.prefetch(seq(7, 3), max_pages=3)  # a second queued request: no new read, held twice
+    assert again.started == 0 and again.pages == 3 and node.pin_ref == 2
     h.ctrl.check_integrity()
     h.check_all_bytes()
+    h.ctrl.release_prefetch(again)
+    h.ctrl.release_prefetch(hold)
+    assert node.pin_ref == 0 and h.ctrl._prefetching == 0
     assert h.run(seq(7, 3)) == {DISK: 3}  # the bytes came from L3: a disk hit, loaded from host
     assert h.ctrl.stats.pages_promoted[(DISK, HOST)] == 3 and h.ctrl.stats.pages_promoted[(HOST, DEVICE)] == 3
     assert h.run(seq(7, 3)) == {DEVICE: 3}
@@ -213,13 +219,17 @@ def test_prefetch_reads_disk_pages_into_host_only():
 def test_prefetch_respects_max_pages_and_half_the_host_pool():
     l3 = MemoryL3(32, LAYOUT.page_bytes)
     h = on_disk_only(l3, seq(7, 3), device=4, host=4)
-    assert h.ctrl.prefetch(seq(7, 3)) == 0  # 3 pages > half of a 4-page host pool
-    h = on_disk_only(l3, seq(7, 3), device=4, host=8)
-    assert h.ctrl.prefetch(seq(7, 3), max_pages=0) == 0
+    assert h.ctrl.prefetch(seq(7, 3)).pages == 0  # 3 pages > half of a 4-page host pool
+    h = on_disk_only(l3, seq(8, 2), device=4, host=8)  # seq 7 and seq 8 on disk
+    assert h.ctrl.prefetch(seq(7, 3), max_pages=0).pages == 0
     assert h.host.used_pages() == 0
+    first = h.ctrl.prefetch(seq(7, 3))
+    assert first.pages == 3 and h.ctrl.prefetch(seq(8, 2)).pages == 0  # 3 of 4 read: no room for 2 more
+    h.ctrl.release_prefetch(first)
+    assert h.ctrl.prefetch(seq(8, 2)).started == 2
     off = Harness(device=4, host=8, l3=l3)
     off.ctrl.prefetch_enabled = False
-    assert off.ctrl.prefetch(seq(7, 3)) == 0
+    assert off.ctrl.prefetch(seq(7, 3)).pages == 0
 
 
 def test_request_claims_a_prefetch_in_flight_without_a_second_read():
@@ -237,11 +247,13 @@ def test_request_claims_a_prefetch_in_flight_without_a_second_read():
     h = Harness(device=4, host=8, l3=l3)
     h.ctrl.worker = L3Worker(l3, threads=2)
     try:
-        assert h.ctrl.prefetch(seq(7, 3), max_pages=3) == 3
+        hold = h.ctrl.prefetch(seq(7, 3), max_pages=3)
+        assert hold.started == 3
         ticket = h.ctrl.acquire(seq(7, 3), max_pages=3)
+        h.ctrl.release_prefetch(hold)
         assert ticket.num_pages == 3 and not ticket.ready() and ticket.hit_pages == {DISK: 3}
         node = ticket.node
-        assert node.loc[0] is not None and node.pin_ref == 1
+        assert node.loc[0] is not None and node.pin_ref == 0 and node.lock_ref == 1
         h.ctrl.check_integrity()
         gate.set()
         assert h.ctrl.wait_ticket(ticket, timeout=10) and not ticket.failed
@@ -249,7 +261,7 @@ def test_request_claims_a_prefetch_in_flight_without_a_second_read():
         for i, p in enumerate(ticket.device_pages()):
             assert torch.all(h.dev.kv[:, :, p] == page_value(tuple(seq(7, 3)), i))
         h.ctrl.release(ticket)
-        assert node.pin_ref == 0 and node.loc[1] is not None
+        assert node.loc[1] is not None
         h.ctrl.check_integrity()
         h.check_all_bytes()
     finally:
@@ -257,14 +269,17 @@ def test_request_claims_a_prefetch_in_flight_without_a_second_read():
         h.ctrl.close()
 
 
-def test_failed_prefetch_drops_the_pages():
+def test_failed_prefetch_drops_the_pages_once_released():
     l3 = MemoryL3(32, LAYOUT.page_bytes)
     h = on_disk_only(l3, seq(7, 3), device=4, host=8)
     l3.corrupt = set(list(l3.data)[1:2])
-    assert h.ctrl.prefetch(seq(7, 3)) == 3
+    hold = h.ctrl.prefetch(seq(7, 3))
+    assert hold.started == 3
     h.ctrl.poll()
-    assert h.ctrl.stats.load_failures == 1
-    assert h.ctrl.tree.pages_in == [0, 0, 0] and h.host.used_pages() == 0
+    assert h.ctrl.stats.load_failures == 1 and h.host.used_pages() == 0
+    h.ctrl.check_integrity()
+    h.ctrl.release_prefetch(hold)
+    assert h.ctrl.tree.pages_in == [0, 0, 0]
     h.ctrl.check_integrity()
     assert h.run(seq(7, 3)) == {}
     h.check_all_bytes()
@@ -350,9 +365,12 @@ def test_property_against_reference(ops, sizes, policy):
         tokens = [base * 100 + i for i in range(pages * ps)] + [branch]  # branch only affects the partial page
         if pages >= 2 and branch % 2:
             tokens[ps + 1] = 7777 + branch  # a different second page: a branch in the tree
-        if prefetch:  # as for a queued request: its disk-only pages go to host first
-            h.ctrl.prefetch(tokens, max_pages=pages)
+        hold = None
+        if prefetch:  # as for a queued request: its disk-only pages go to host first, held until admission
+            hold = h.ctrl.prefetch(tokens, max_pages=pages)
             h.ctrl.check_integrity()
+            h.ctrl.poll()
+            h.ctrl.release_prefetch(hold)
         hits = h.run(tokens)
         hit_pages = sum(hits.values())
         assert hit_pages == 0 or tuple(tokens[: hit_pages * ps]) in committed

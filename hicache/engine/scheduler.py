@@ -61,6 +61,7 @@ class Scheduler:
         """Take a request out of the scheduler (finish or abort), committing and freeing its pages."""
         if req.status is Status.WAITING:
             self.waiting.remove(req)
+            self._release_prefetch(req)
         elif req.status is Status.LOADING:
             self.loading.remove(req)
             self._release(req.ticket)
@@ -159,13 +160,19 @@ class Scheduler:
         for req in self.waiting:
             if not req.prefetched:
                 req.prefetched = True
-                prefetch(req.token_ids, max_pages=(len(req.token_ids) - 1) // self.page_size)
+                req.prefetch_hold = prefetch(req.token_ids, max_pages=(len(req.token_ids) - 1) // self.page_size)
+
+    def _release_prefetch(self, req: Request) -> None:
+        if req.prefetch_hold is not None:
+            self.ctrl.release_prefetch(req.prefetch_hold)
+            req.prefetch_hold = None
 
     def _acquire(self, req: Request) -> None:
         """Claim the cached prefix (at least one token is left to compute, for the logits)."""
         ps = self.page_size
         ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps, overlap=True)
         req.ticket = ticket
+        self._release_prefetch(req)  # the ticket holds what it uses now
         req.pages = ticket.prefix_pages()  # the gap's pages come from alloc_device as it is computed
         req.committed_pages = len(req.pages)
         req.computed = req.committed_pages * ps  # tokens [0, computed) are cached

@@ -47,7 +47,8 @@ def assert_no_leaks(engine: Engine) -> None:
     ctrl.check_integrity()
     assert not ctrl._private
     assert ctrl.device.used_pages() == len(ctrl.tree.owned_pages("device"))
-    assert all(node.lock_ref == 0 for node in ctrl.tree.nodes())
+    assert all(node.lock_ref == 0 and node.pin_ref == 0 for node in ctrl.tree.nodes())
+    assert ctrl._prefetching == 0
     assert ctrl.tree.root.lock_ref == 1
     s = engine.scheduler
     assert not (s.waiting or s.loading or s.running or s.draining)
