@@ -88,6 +88,7 @@ class TierController:
         self._bounced: set[int] = set()  # node ids whose L3 write carries its own copy of the bytes
         self.prefetch_enabled = prefetch and l3 is not None
         self._prefetching = 0  # pages read by prefetch holds not yet released
+        self._backups: dict[int, TransferHandle] = {}  # GPU page -> its latest GPU -> host copy (may be in flight)
         self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
 
     # ------------------------------------------------------------------ matching and loading
@@ -469,6 +470,8 @@ class TierController:
             self.stats.drops["host_full"] += n
             return False
         handle = self.copier.to_host(node.loc[0], host_pages) if self.copier else COMPLETED
+        if handle is not COMPLETED:
+            self._backups.update(dict.fromkeys(node.loc[0], handle))
         self.tree.set_location(node, HOST, host_pages)
         self.stats.moved(DEVICE, HOST, n, self.page_bytes)
         if self.l3 is not None and self.policy.host_to_disk == "write_through":
@@ -600,8 +603,6 @@ class TierController:
         """Evict least recently used unlocked leaves of a tier until `need` pages are free there."""
         freed = 0
         skip = (lambda node: node is protect) if protect is not None else None
-        if tier == DEVICE and self.copier is not None:
-            self.copier.fence()  # pending GPU->host copies read pages we are about to reuse
         while freed < need:
             node = self.tree.pop_evictable(tier, skip)
             if node is None:
@@ -624,9 +625,7 @@ class TierController:
         n = node.num_pages
         if tier == DEVICE:
             if self.host is not None and node.loc[1] is None and self.policy.device_to_host == "write_back":
-                self._backup_to_host(node)
-                if self.copier is not None:
-                    self.copier.fence()
+                self._backup_to_host(node)  # its copy is waited for when the pages are freed, below
         elif tier == HOST:
             if self.l3 is not None and node.loc[2] is None and node.id not in self._writing and (
                 self.policy.host_to_disk == "write_back"
@@ -638,10 +637,29 @@ class TierController:
         pages, orphans = self.tree.clear_location(node, tier)
         if tier == DISK:
             self.l3.delete(pages)
+        elif tier == DEVICE:
+            self._free_device_pages(pages)
         else:
-            self._pool(tier).free(pages)
+            self.host.free(pages)
         self._free_nodes(orphans)
         return n
+
+    def _free_device_pages(self, pages: Sequence[int]) -> None:
+        """Free tree-owned GPU pages. Compute may overwrite them next, so the current stream first waits
+        (on the GPU; the host does not block) for any GPU -> host copy still reading them. Only those
+        copies: waiting for every copy in flight made each eviction wait for the newest backups too."""
+        waits = {}
+        for p in pages:
+            handle = self._backups.pop(p, None)
+            if handle is not None and not handle.done():
+                waits[id(handle)] = handle
+        for handle in waits.values():
+            wait = getattr(handle, "stream_wait", None)
+            if wait is not None:
+                wait()
+            else:
+                handle.wait()
+        self.device.free(pages)
 
     def _make_disk_room(self, n: int) -> bool:
         """Evict L3 leaves until n more pages fit under the disk capacity."""
@@ -658,7 +676,7 @@ class TierController:
         """Free every page of removed nodes in every tier."""
         for node in nodes:
             if node.loc[0] is not None:
-                self.device.free(node.loc[0])
+                self._free_device_pages(node.loc[0])
                 self.stats.evictions[DEVICE] += node.num_pages
             if node.loc[1] is not None:
                 self.host.free(node.loc[1])

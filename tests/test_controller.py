@@ -112,6 +112,48 @@ def test_write_back_copies_only_on_eviction():
     h.check_all_bytes()
 
 
+class SlowCopier(PageCopier):
+    """PageCopier whose GPU -> host copies stay 'in flight' until `land()`; records GPU-side waits."""
+
+    class Handle:
+        def __init__(self, log):
+            self.landed, self.log = False, log
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            self.log.append(("host wait", self))
+
+        def stream_wait(self):
+            self.log.append(("stream wait", self))
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.log, self.handles = [], []
+
+    def to_host(self, device_pages, host_pages):
+        super().to_host(device_pages, host_pages)
+        handle = self.Handle(self.log)
+        self.handles.append(handle)
+        return handle
+
+
+def test_eviction_waits_only_for_copies_of_the_evicted_pages():
+    h = Harness(device=4, host=8, disk=0)
+    copier = SlowCopier(h.dev, h.host)
+    h.ctrl.copier = copier
+    h.run(seq(1, 2))  # its backup copy: handles[0]
+    h.run(seq(2, 2))  # handles[1]
+    copier.handles[0].landed = True
+    h.run(seq(3, 2))  # evicts seq 1 (copy landed): no wait
+    assert copier.log == []
+    h.run(seq(4, 2))  # evicts seq 2, whose copy is still in flight: the GPU waits for that copy only
+    assert copier.log == [("stream wait", copier.handles[1])]
+    h.check_all_bytes()
+    h.ctrl.check_integrity()
+
+
 class GatedL3(MemoryL3):
     """MemoryL3 whose writes wait for `gate`: an L3 write stays in flight as long as a test needs."""
 

@@ -60,10 +60,6 @@ class PageCopier:
             self.device_pool.write_pages(device_pages, self.host_pool.read_pages(host_pages))
         return COMPLETED
 
-    def fence(self) -> None:
-        """Make later compute wait for every copy issued so far (nothing to do on CPU)."""
-        return None
-
 
 def make_copier(device_pool: DevicePool, host_pool: HostPool) -> PageCopier:
     """The fastest copier for these pools: the CUDA stream copier on GPU, the reference one on CPU."""

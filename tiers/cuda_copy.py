@@ -183,9 +183,3 @@ class CudaPageCopier:
         done = torch.cuda.Event()
         done.record(self.copy_stream)
         return CudaTransfer(done)
-
-    def fence(self) -> None:
-        """Make the current stream wait for every copy issued so far (GPU-side, host not blocked)."""
-        compute = torch.cuda.current_stream()
-        compute.wait_stream(self.copy_stream)
-        compute.wait_stream(self.shuffle_stream)
