@@ -5,33 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radix import TreeNode
+from tiers.copy import CompletedTransfer
 
 
-class _Failed:
-    """Marker in TreeNode.pending: the node's data could not be loaded; it will be removed."""
+class _Marker(CompletedTransfer):
+    """A state kept in TreeNode.pending that, like a finished transfer, has nothing to wait for."""
 
-    def done(self) -> bool:
-        return True
+    def __init__(self, name: str):
+        self.name = name
 
-    def wait(self) -> None:
-        return None
-
-
-FAILED = _Failed()
+    def __repr__(self) -> str:
+        return self.name
 
 
-class _Prefetched:
-    """Marker in TreeNode.pending: the node's host copy was read from L3 for a queued request and has
-    not been loaded since (so the request's hit counts as a disk hit: the bytes came from L3)."""
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
-PREFETCHED = _Prefetched()
+# the node's data could not be loaded; it will be removed
+FAILED = _Marker("FAILED")
+# the node's host copy was read from L3 for a queued request and has not been loaded since (so the request's
+# hit counts as a disk hit: the bytes came from L3)
+PREFETCHED = _Marker("PREFETCHED")
 
 
 class DiskLoad:
