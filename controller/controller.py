@@ -296,7 +296,7 @@ class TierController:
                     if host_pages is None:
                         self.stats.drops["host_full_on_prefetch"] += n
                         break
-                    node.pending = DiskLoad(host_pages, to_device=False, pinned=True, eta=self._disk_eta(n))
+                    node.pending = DiskLoad(host_pages, to_device=False, prefetch=True, eta=self._disk_eta(n))
                     self._loading[node.id] = node
                     self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
                     self.tree.pin(node)
@@ -546,7 +546,7 @@ class TierController:
                             part.pending = self.copier.to_device(host_pages, part.loc[0]) if self.copier else COMPLETED
                             self.stats.moved(HOST, DEVICE, part.num_pages, self.page_bytes)
                         else:
-                            part.pending = PREFETCHED if load.pinned else None
+                            part.pending = PREFETCHED if load.prefetch else None
                     self.stats.moved(DISK, HOST, n, self.page_bytes)
                     self._observe_disk_read(n * self.page_bytes, c.seconds)
                 else:

@@ -29,15 +29,15 @@ class DiskLoad:
     """Marker in TreeNode.pending while an L3 -> host read for the node is in flight.
 
     `to_device`: the read continues to the node's GPU pages (a request's load); a prefetch for a queued
-    request stops in host memory unless a request claims the node before the read lands. `pinned`: a
-    prefetch's read (its node is pinned by a PrefetchHold; a request's loads are locked by its ticket).
+    request stops in host memory unless a request claims the node before the read lands. `prefetch`: started
+    by `TierController.prefetch` (its node is pinned by a PrefetchHold; a request's loads are locked by its ticket).
     `eta`: when the read is expected to land (monotonic seconds; the cost model's view of the disk queue).
     """
 
-    def __init__(self, host_pages: list[int], to_device: bool = True, pinned: bool = False, eta: float = 0.0):
+    def __init__(self, host_pages: list[int], to_device: bool = True, prefetch: bool = False, eta: float = 0.0):
         self.host_pages = host_pages
         self.to_device = to_device
-        self.pinned = pinned
+        self.prefetch = prefetch
         self.eta = eta
 
     def done(self) -> bool:

@@ -154,13 +154,13 @@ class Scheduler:
 
     def _prefetch(self) -> None:
         """Send each newly queued request's disk-only prefix pages towards host memory (once per request)."""
-        prefetch = getattr(self.ctrl, "prefetch", None)
-        if prefetch is None or not getattr(self.ctrl, "prefetch_enabled", False):
+        if not self.ctrl.prefetch_enabled:
             return
         for req in self.waiting:
             if not req.prefetched:
                 req.prefetched = True
-                req.prefetch_hold = prefetch(req.token_ids, max_pages=(len(req.token_ids) - 1) // self.page_size)
+                limit = (len(req.token_ids) - 1) // self.page_size
+                req.prefetch_hold = self.ctrl.prefetch(req.token_ids, max_pages=limit)
 
     def _release_prefetch(self, req: Request) -> None:
         if req.prefetch_hold is not None:

@@ -6,21 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from sched_helpers import assert_no_leaks, run_all
-from test_sched_overlap import GREEDY, PAGE, A, hold_reads, l3_engine, reference
+from test_sched_overlap import GREEDY, A, hold_reads, reference, slow_disk_engine
 
 from hicache.engine.params import SamplingParams
 
 B = [(5 * 17 + i * 11) % 250 + 1 for i in range(200)]  # an unrelated long prompt that keeps A queued
-
-
-def slow_disk_engine(tiny, path, **dotted):
-    """Prefill 1000 tokens/s (4 ms a page); the disk loads a page in 8 ms (recompute wins), host in 1 ms."""
-    c = tiny[0].config
-    page_bytes = c.num_layers * 2 * PAGE * c.num_kv_heads * c.head_dim * 4
-    gbps = lambda seconds: page_bytes / seconds / 1e9  # noqa: E731
-    return l3_engine(tiny, path, scheduler__chunk_tokens=16, cache__load_policy__prefill_tokens_per_s=1000.0,
-                     cache__load_policy__host_to_device_gbps=gbps(0.001),
-                     cache__load_policy__disk_to_device_gbps=gbps(0.008), **dotted)
 
 
 def queue_behind_b(engine):
@@ -36,12 +26,12 @@ def queue_behind_b(engine):
 def test_queued_request_loads_its_disk_prefix_from_host(tiny, tmp_path):
     want = reference(tiny, tmp_path)  # A recomputed; A's pages are now on L3 only (after a restart)
 
-    alone = slow_disk_engine(tiny, tmp_path / "l3")
+    alone = slow_disk_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)
     ids, _, out = run_all_one(alone)
     assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 0}  # disk too slow
     alone.close()
 
-    engine = slow_disk_engine(tiny, tmp_path / "l3")
+    engine = slow_disk_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)
     ids, _, out = queue_behind_b(engine)
     assert ids == want
     assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 60}  # from L3, via host memory
@@ -50,7 +40,7 @@ def test_queued_request_loads_its_disk_prefix_from_host(tiny, tmp_path):
     assert_no_leaks(engine)
     engine.close()
 
-    off = slow_disk_engine(tiny, tmp_path / "l3", cache__load_policy__prefetch=False)
+    off = slow_disk_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16, cache__load_policy__prefetch=False)
     ids, _, out = queue_behind_b(off)
     assert ids == want and out.usage.cached_tokens["disk"] == 0
     assert off.stats()["cache"]["prefetched_pages"] == 0
@@ -66,7 +56,7 @@ def test_request_waits_for_pages_another_request_is_loading(tiny, tmp_path):
     """Y recomputes A (the disk is slow); W then loads A's later pages (mode always). When Y commits those
     pages, W's copies win the dedup while still in flight: Y must not run on them until they land."""
     want = reference(tiny, tmp_path)
-    engine = slow_disk_engine(tiny, tmp_path / "l3")
+    engine = slow_disk_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)
     go = hold_reads(engine)
     engine.add_request("y", A, GREEDY)
     tokens: dict[str, list[int]] = {"y": [], "w": []}
