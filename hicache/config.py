@@ -34,6 +34,12 @@ class ModelConfig:
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     revision: str = ""  # recorded in the cache namespace; empty = derived from the weights file
     tp_rank: int = 0
+    # decode tokens attend through the paged Triton kernel where it runs (CUDA with Triton); false: the
+    # PyTorch reference (gather + SDPA)
+    decode_kernel: bool = True
+    # decode steps of up to this many sequences replay a CUDA graph captured at startup (CUDA, decode
+    # kernel on); 0 disables. Capped at scheduler.max_running_requests
+    cuda_graph_max_batch: int = 64
 
 
 @dataclass(frozen=True)
@@ -226,6 +232,7 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: server.port: must be in 1..65535, got {cfg.server.port}")
     _positive(cfg.server.max_body_bytes, "server.max_body_bytes", source)
     _positive(cfg.model.tp_rank, "model.tp_rank", source, allow_zero=True)
+    _positive(cfg.model.cuda_graph_max_batch, "model.cuda_graph_max_batch", source, allow_zero=True)
     return cfg
 
 

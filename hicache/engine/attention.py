@@ -3,9 +3,11 @@
 The pool is one tensor ``kv[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``; a token at
 position p of a sequence lives in flat slot ``page_table[p // page_size] * page_size + p % page_size``.
 `AttentionPlan` is built once per forward step (it depends only on the batch, not the layer) and
-`paged_attention` runs one layer. This is the CPU / reference implementation with torch SDPA; a GPU
-kernel (flash-attn varlen, a batched paged-decode kernel) can replace `paged_attention` behind the same
-signature.
+`paged_attention` runs one layer. Prefill chunks use torch SDPA. Decode tokens use the Triton paged
+decode kernel (`hicache.engine.decode_kernel`) where it runs (CUDA, Triton installed, power-of-two page
+size and head_dim), reading K/V in place through a page table; elsewhere they use the reference: gather
+into a padded copy, then SDPA with a mask. A step where every sequence decodes can be described by a
+`DecodePlan` alone, made of device tensors only, which is what CUDA graphs capture.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+from torch.nn.utils.rnn import pad_sequence
+
+from hicache.engine.decode_kernel import paged_decode_attention
 
 # cuDNN's SDPA builds a new execution plan for every new shape (1 ms of host time per call, and decode
 # shapes change every step), so CUDA runs use flash / memory-efficient attention instead
@@ -25,17 +30,27 @@ CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION
 
 
 @dataclass
+class DecodePlan:
+    """Inputs of the paged decode kernel for D sequences decoding one token each (device tensors only)."""
+
+    page_table: Tensor  # [D, >= max pages] page ids of each sequence (entries past its length unused)
+    seq_lens: Tensor  # [D] keys of each sequence, this step's token included
+
+
+@dataclass
 class AttentionPlan:
     """Per-step indexing shared by all layers.
 
-    Sequences with one new token (decode) are attended in one padded SDPA call; sequences with several new
-    tokens (prefill chunks) are attended one by one.
+    Sequences with one new token (decode) are attended together: by the paged kernel when `kernel` is set,
+    else in one padded SDPA call over gathered keys. Sequences with several new tokens (prefill chunks)
+    are attended one by one.
     """
 
     decode_rows: Tensor  # [D] row of each decode sequence's token in the [T] new-token batch
-    decode_slots: Tensor  # [D, max_len] flat KV slots of each decode sequence, padded
-    decode_mask: Tensor  # [D, 1, 1, max_len] True where the key is a real, visible token
+    decode_slots: Tensor  # [D, max_len] flat KV slots of each decode sequence, padded (reference path)
+    decode_mask: Tensor  # [D, 1, 1, max_len] True where the key is a real, visible token (reference path)
     prefill: list[tuple[int, int, Tensor, Tensor | None]]  # (row start, row end, slots, mask or None)
+    kernel: DecodePlan | None = None  # the decode sequences' kernel inputs, when the kernel is used
 
 
 def slots_of(page_table: Tensor, seq_len: int, page_size: int) -> Tensor:
@@ -45,12 +60,18 @@ def slots_of(page_table: Tensor, seq_len: int, page_size: int) -> Tensor:
 
 
 def plan_attention(
-    positions: Tensor, seq_lens: list[int], new_lens: list[int], page_tables: list[Tensor], page_size: int
+    positions: Tensor,
+    seq_lens: list[int],
+    new_lens: list[int],
+    page_tables: list[Tensor],
+    page_size: int,
+    decode_kernel: bool = False,
 ) -> AttentionPlan:
-    """Build the gather indices and masks for one forward step."""
+    """Build the gather indices and masks for one forward step (decode page tables with `decode_kernel`)."""
     device = positions.device
     decode_rows: list[int] = []
     decode_slots: list[Tensor] = []
+    decode_tables: list[Tensor] = []
     prefill: list[tuple[int, int, Tensor, Tensor | None]] = []
     start = 0
     for seq_len, new_len, page_table in zip(seq_lens, new_lens, page_tables):
@@ -59,8 +80,13 @@ def plan_attention(
                 f"sequence with seq_len={seq_len}, new_len={new_len} has "
                 f"{page_table.numel()} pages of {page_size}"
             )
-        slots = slots_of(page_table.to(device), seq_len, page_size)
         end = start + new_len
+        if new_len == 1 and decode_kernel:
+            decode_rows.append(start)
+            decode_tables.append(page_table.to(device))
+            start = end
+            continue
+        slots = slots_of(page_table.to(device), seq_len, page_size)
         if new_len == 1:
             decode_rows.append(start)
             decode_slots.append(slots)
@@ -74,6 +100,15 @@ def plan_attention(
         start = end
     if start != positions.numel():
         raise ValueError(f"new_lens sum to {start} but the batch has {positions.numel()} tokens")
+    rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+    if decode_tables:
+        lens = [n for n, new in zip(seq_lens, new_lens) if new == 1]
+        kernel = DecodePlan(
+            page_table=pad_sequence(decode_tables, batch_first=True),
+            seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
+        )
+        empty = torch.empty(0, 0, dtype=torch.int64, device=device)
+        return AttentionPlan(rows, empty, empty.bool()[:, None, None, :], prefill, kernel)
 
     lengths = [s.numel() for s in decode_slots]
     # a multiple of 16: CUDA memory-efficient SDPA needs 16-aligned mask rows (else it falls back to math)
@@ -86,7 +121,7 @@ def plan_attention(
     lengths_tensor = torch.tensor(lengths, device=device, dtype=torch.int64)
     mask = torch.arange(max_len, device=device)[None, :] < lengths_tensor[:, None]
     return AttentionPlan(
-        decode_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
+        decode_rows=rows,
         decode_slots=slot_matrix,
         decode_mask=mask[:, None, None, :],
         prefill=prefill,
@@ -94,35 +129,41 @@ def plan_attention(
 
 
 def paged_attention(
-    q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, out_slots: Tensor, plan: AttentionPlan
+    q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, out_slots: Tensor, plan: AttentionPlan | DecodePlan
 ) -> Tensor:
     """Write this step's K/V into the pool, then attend each query to its sequence's cached + new keys.
 
     q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (may be strided views of one qkv tensor);
     kv_layer: [2, num_pages, page_size, num_kv_heads, head_dim], a view into the pool (written in place).
-    Returns [T, num_heads, head_dim], not necessarily contiguous.
+    With a DecodePlan, row i is sequence i's one new token. Returns [T, num_heads, head_dim], not
+    necessarily contiguous.
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_pool = kv_layer[0].view(-1, num_kv_heads, head_dim)
     v_pool = kv_layer[1].view(-1, num_kv_heads, head_dim)
     k_pool[out_slots] = k
     v_pool[out_slots] = v
+    if isinstance(plan, DecodePlan):
+        return paged_decode_attention(q, kv_layer[0], kv_layer[1], plan.page_table, plan.seq_lens)
     with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
         if not plan.decode_rows.numel() and len(plan.prefill) == 1:
             # the whole batch is one sequence's prefill: SDPA's output is the result, no copy into `out`
             return _attend_prefill(q, k, v, k_pool, v_pool, *plan.prefill[0])
         out = torch.empty_like(q)
-        _attend(q, k, v, k_pool, v_pool, plan, out)
+        _attend(q, k, v, kv_layer, plan, out)
     return out
 
 
-def _attend(
-    q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, plan: AttentionPlan, out: Tensor
-) -> None:
+def _attend(q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, plan: AttentionPlan, out: Tensor) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    if plan.decode_rows.numel():
+    k_pool = kv_layer[0].view(-1, num_kv_heads, head_dim)
+    v_pool = kv_layer[1].view(-1, num_kv_heads, head_dim)
+    if plan.kernel is not None:
+        rows, kernel = plan.decode_rows, plan.kernel
+        out[rows] = paged_decode_attention(q[rows], kv_layer[0], kv_layer[1], kernel.page_table, kernel.seq_lens)
+    elif plan.decode_rows.numel():
         # one query per sequence: the query heads of a KV group act as `group` queries on its keys
         num_decode = plan.decode_rows.numel()
         q_dec = q[plan.decode_rows].view(num_decode, num_kv_heads, group, head_dim)

@@ -82,5 +82,6 @@ def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrat
     if lp.prefill_tokens_per_s is None and lp.mode == "auto" and calibrate:
         speed = calibrate_prefill(model, cfg.cache.page_size)
         logger.info("calibrated prefill speed: %.0f tokens/s", speed)
+    model.decode_kernel = cfg.model.decode_kernel
     cache = build_cache(cfg, layout, dtype_name, device, namespace, prefill_tokens_per_s=speed)
-    return Engine(model, tokenizer, cache, cfg.scheduler)
+    return Engine(model, tokenizer, cache, cfg.scheduler, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch)

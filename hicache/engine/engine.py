@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hicache.config import SchedulerConfig
+from hicache.engine.cuda_graph import DecodeGraphs, decode_graph_pages
 from hicache.engine.model import ForwardBatch
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status, StepOutput
@@ -33,7 +34,11 @@ def find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
 class Engine:
     """Continuous-batching generation over a CacheStack; every tree/controller call happens in step()."""
 
-    def __init__(self, model: Any, tokenizer: Any, cache: Any, config: SchedulerConfig | None = None):
+    def __init__(
+        self, model: Any, tokenizer: Any, cache: Any, config: SchedulerConfig | None = None,
+        cuda_graph_max_batch: int = 0,
+    ):
+        """cuda_graph_max_batch > 0 captures decode CUDA graphs up to that batch (CUDA and the decode kernel only)."""
         config = config or SchedulerConfig()
         self.model = model
         self.tokenizer = tokenizer
@@ -49,7 +54,18 @@ class Engine:
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []  # errors found at add_request, reported by the next step
-        self.counters = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0}
+        self.counters = {
+            "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0, "graph_steps": 0,
+        }
+        self.graphs: DecodeGraphs | None = None
+        max_batch = min(cuda_graph_max_batch, config.max_running_requests)
+        if max_batch > 0 and self.device.type == "cuda" and model.uses_decode_kernel(self.page_size):
+            if self.ctrl.device.used_pages():
+                raise RuntimeError("decode CUDA graphs must be captured before the GPU pool holds any KV")
+            pages = decode_graph_pages(self.max_context, self.page_size, self.ctrl.device.capacity_pages)
+            self.graphs = DecodeGraphs(model, self.kv, self.page_size, max_batch, pages).capture()
+        elif max_batch > 0:
+            logger.info("decode CUDA graphs off: they need CUDA and the paged decode kernel (Triton)")
 
     # ------------------------------------------------------------------ requests
 
@@ -134,6 +150,18 @@ class Engine:
 
     def _forward(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
         ps = self.page_size
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and all(n == 1 for _, n in plan)
+            and graphs.can_run(len(plan), max(req.computed for req, _ in plan) // ps + 1)
+        ):
+            self.counters["graph_steps"] += 1
+            return graphs.run(
+                [req.token_ids[req.computed] for req, _ in plan],
+                [req.computed for req, _ in plan],
+                [req.pages for req, _ in plan],
+            )
         ids: list[int] = []
         positions, slots, tables = [], [], []
         for req, n in plan:

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hicache.engine.attention import paged_attention, plan_attention
+from hicache.engine.attention import DecodePlan, paged_attention, plan_attention
+from hicache.engine.decode_kernel import kernel_supported
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,7 @@ class LlamaModel(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._inv_freq = rope_inv_freq(config)  # plain CPU tensor (not a buffer): survives meta construction
+        self.decode_kernel = True  # use the Triton paged decode kernel where it runs (False: the reference)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -362,6 +364,41 @@ class LlamaModel(nn.Module):
             self._inv_freq = self._inv_freq.to(positions.device)
         return rope_cos_sin(self._inv_freq, positions, dtype)
 
+    def uses_decode_kernel(self, page_size: int) -> bool:
+        """Whether decode tokens go through the paged Triton kernel (else gather + SDPA)."""
+        return self.decode_kernel and kernel_supported(self.device, page_size, self.config.head_dim)
+
+    def _check_pool(self, kv: Tensor, page_size: int) -> None:
+        expected = self.config.num_layers, 2
+        if tuple(kv.shape[:2]) != expected or kv.shape[3] != page_size:
+            raise ValueError(
+                f"kv pool shape {tuple(kv.shape)} does not match model layers/page_size {page_size}"
+            )
+
+    def _layers(self, input_ids: Tensor, positions: Tensor, out_slots: Tensor, plan, kv: Tensor) -> Tensor:
+        cos, sin = self._rope_cos_sin(positions, self.dtype)
+        x = self.embed_tokens(input_ids)
+        for layer_index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv[layer_index], out_slots, plan)
+        return x
+
+    def _logits(self, x: Tensor) -> Tensor:
+        x = self.norm(x)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()
+
+    @torch.inference_mode()
+    def decode_forward(
+        self, input_ids: Tensor, positions: Tensor, out_slots: Tensor, plan: DecodePlan, kv: Tensor
+    ) -> Tensor:
+        """One decode token per sequence (row i = sequence i) through the paged kernel; float32 logits [D, vocab].
+
+        Every input is a device tensor and nothing syncs with the host, so CUDA graphs can capture it
+        (`hicache.engine.cuda_graph`). Needs `uses_decode_kernel(page_size)`.
+        """
+        self._check_pool(kv, kv.shape[3])
+        return self._logits(self._layers(input_ids, positions, out_slots, plan, kv))
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: Tensor, page_size: int, all_logits: bool = False) -> Tensor:
         """Run the new tokens of every sequence, writing their K/V into `kv` at `batch.out_slots`.
@@ -371,19 +408,13 @@ class LlamaModel(nn.Module):
         Returns float32 logits of the last new token of each sequence, [num_seqs, vocab], or of every
         new token, [T, vocab], when `all_logits`.
         """
-        expected = self.config.num_layers, 2
-        if tuple(kv.shape[:2]) != expected or kv.shape[3] != page_size:
-            raise ValueError(
-                f"kv pool shape {tuple(kv.shape)} does not match model layers/page_size {page_size}"
-            )
-        plan = plan_attention(batch.positions, batch.seq_lens, batch.new_lens, batch.page_tables, page_size)
-        cos, sin = self._rope_cos_sin(batch.positions, self.dtype)
-        x = self.embed_tokens(batch.input_ids)
-        for layer_index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[layer_index], batch.out_slots, plan)
+        self._check_pool(kv, page_size)
+        plan = plan_attention(
+            batch.positions, batch.seq_lens, batch.new_lens, batch.page_tables, page_size,
+            decode_kernel=self.uses_decode_kernel(page_size),
+        )
+        x = self._layers(batch.input_ids, batch.positions, batch.out_slots, plan, kv)
         if not all_logits:
             last_rows = torch.tensor(batch.new_lens, device=x.device).cumsum(0) - 1
             x = x[last_rows]
-        x = self.norm(x)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        return self._logits(x)

@@ -47,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-log", metavar="FILE", help="append one JSON line per finished request (replayable)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds SIGTERM waits for in-flight requests before cancelling them (default 60)")
+    p.add_argument("--cuda-graph-max-batch", type=int,
+                   help="capture decode CUDA graphs up to this batch, 0 = off (model.cuda_graph_max_batch)")
+    p.add_argument("--no-decode-kernel", dest="decode_kernel", action="store_false", default=None,
+                   help="decode through the PyTorch reference instead of the Triton kernel (model.decode_kernel)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=run)
 
@@ -56,6 +60,7 @@ def build_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config)
     dotted: dict[str, Any] = {
         "model.name": args.model, "model.device": args.device, "model.dtype": args.dtype,
+        "model.cuda_graph_max_batch": args.cuda_graph_max_batch, "model.decode_kernel": args.decode_kernel,
         "server.host": args.host, "server.port": args.port, "server.served_model_name": args.served_model_name,
         "server.max_body_bytes": args.max_body_bytes, "server.trace_log": args.trace_log,
         "cache.page_size": args.page_size, "cache.load_policy.mode": args.load_mode,
