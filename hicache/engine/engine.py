@@ -56,6 +56,7 @@ class Engine:
         self._pending: list[StepOutput] = []  # errors found at add_request, reported by the next step
         self.counters = {
             "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0, "graph_steps": 0,
+            "schedule_s": 0.0,
         }
         self.graphs: DecodeGraphs | None = None
         max_batch = min(cuda_graph_max_batch, config.max_running_requests)
@@ -126,7 +127,9 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one scheduling step and forward; returns outputs of requests that produced tokens or ended."""
         outputs, self._pending = self._pending, []
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
+        self.counters["schedule_s"] += time.perf_counter() - start
         if not plan:
             return outputs
         for req, _ in plan:

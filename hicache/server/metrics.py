@@ -125,6 +125,13 @@ class CacheCollector:
                                   value=s.get("preemptions", 0))
         engine = s.get("engine", {})
         yield CounterMetricFamily("hicache_engine_steps", "Engine forward steps", value=engine.get("steps", 0))
+        yield CounterMetricFamily("hicache_engine_graph_steps", "Decode steps replayed from a CUDA graph",
+                                  value=engine.get("graph_steps", 0))
+        yield CounterMetricFamily("hicache_engine_forward_seconds", "Seconds in forward passes and sampling",
+                                  value=engine.get("forward_s", 0.0))
+        yield CounterMetricFamily("hicache_engine_schedule_seconds",
+                                  "Seconds planning steps (scheduler and cache controller)",
+                                  value=engine.get("schedule_s", 0.0))
         yield CounterMetricFamily("hicache_computed_prefill_tokens", "Prompt tokens computed (not served by cache)",
                                   value=engine.get("prefill_tokens", 0))
         yield CounterMetricFamily("hicache_computed_decode_tokens", "Tokens decoded",

@@ -107,6 +107,10 @@ def test_metrics_exposition(server, client) -> None:
     assert metric(values, "hicache_l3_state", state="ok") == 1
     assert metric(values, "hicache_l3_io_backend", backend="buffered") == 1
     assert ("hicache_queue_depth", ()) in values
+    assert metric(values, "hicache_engine_steps_total") > 0
+    assert metric(values, "hicache_engine_graph_steps_total") == 0  # CPU: no CUDA graphs
+    assert metric(values, "hicache_engine_forward_seconds_total") > 0
+    assert metric(values, "hicache_engine_schedule_seconds_total") > 0
     assert metric(values, "hicache_time_to_first_token_seconds_count") >= 1
     assert metric(values, "hicache_requests_total", finish_reason="length") >= 1
 
