@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import cProfile
 import logging
 import queue
 import threading
@@ -34,9 +35,11 @@ def error_output(request_id: str, message: str, prompt_tokens: int = 0) -> StepO
 class EngineThread:
     """The engine loop on a daemon thread; submit/abort/call/stats are safe from any thread."""
 
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05, profile_path: str | None = None):
+        """profile_path: run the loop under cProfile and write its stats there (pstats format) at shutdown."""
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.profile_path = profile_path
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}  # engine thread only
         self._stats: dict[str, Any] = engine.stats()
@@ -83,6 +86,19 @@ class EngineThread:
     # ------------------------------------------------------------------ engine thread
 
     def _loop(self) -> None:
+        if self.profile_path is None:
+            self._run_loop()
+            return
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            self._run_loop()
+        finally:
+            profiler.disable()
+            profiler.dump_stats(self.profile_path)
+            logger.info("engine thread profile written to %s", self.profile_path)
+
+    def _run_loop(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
@@ -171,9 +187,9 @@ class EngineThread:
 class AsyncEngine:
     """asyncio front of an EngineThread: `generate` yields a request's StepOutputs as they come."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, profile_path: str | None = None):
         self.engine = engine
-        self.runner = EngineThread(engine).start()
+        self.runner = EngineThread(engine, profile_path=profile_path).start()
 
     @property
     def tokenizer(self) -> Any:

@@ -52,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-decode-kernel", dest="decode_kernel", action="store_false", default=None,
                    help="decode through the PyTorch reference instead of the Triton kernel (model.decode_kernel)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--profile-engine", metavar="FILE",
+                   help="profile the engine thread (cProfile) and write its stats to FILE on shutdown")
     p.set_defaults(func=run)
 
 
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache.engine.runner import AsyncEngine
     from hicache.server.app import create_app
 
-    engine = AsyncEngine(build_engine(cfg))
+    engine = AsyncEngine(build_engine(cfg), profile_path=args.profile_engine)
     try:
         s = cfg.server
         app = create_app(engine, cfg, s.served_model_name or cfg.model.name, s.api_key, s.trace_log)

@@ -170,3 +170,22 @@ def test_failed_l3_read_is_recomputed(tiny, tmp_path):
     assert out.usage.cached_tokens["disk"] == 0
     assert ids == first
     assert_no_leaks(engine)
+
+
+def test_engine_thread_profile_is_written_at_shutdown(tiny, tmp_path):
+    import pstats
+
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=512)
+    path = tmp_path / "engine.prof"
+    runner = AsyncEngine(engine, profile_path=str(path))
+
+    async def main() -> list:
+        return [out async for out in runner.generate("p", prompt(3, 20), LONG)]
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        runner.shutdown()
+    assert outs[-1].finished
+    functions = {name for _, _, name in pstats.Stats(str(path)).stats}
+    assert {"step", "schedule", "_forward"} <= functions
