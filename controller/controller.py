@@ -169,8 +169,9 @@ class TierController:
         ticket = LoadTicket(nodes[-1] if nodes else self.tree.root, m.num_pages, gap=(k, s) if k < s else None)
         self.tree.lock(ticket.node)
         pos = 0
+        copies: list[tuple[TreeNode, list[int]]] = []
         for i, node in enumerate(nodes):
-            if not k <= pos < s and node.loc[0] is None and not self._load_node(node):
+            if not k <= pos < s and node.loc[0] is None and not self._load_node(node, copies):
                 if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
                     ticket.gap = None
                     i = min(i, len(ticket.part(0, k)))
@@ -178,6 +179,7 @@ class TierController:
                 nodes = nodes[:i]
                 break
             pos += node.num_pages
+        self._start_copies(copies)
         pos = 0
         for node, tier in zip(nodes, tiers):
             if not k <= pos < s or ticket.gap is None:  # the gap's pages are computed, not hits
@@ -219,8 +221,11 @@ class TierController:
         self.tree.lock(node)
         self.tree.unlock(old)
 
-    def _load_node(self, node: TreeNode) -> bool:
-        """Give a locked node GPU pages and start copying its data there; False if no room."""
+    def _load_node(self, node: TreeNode, copies: list[tuple[TreeNode, list[int]]]) -> bool:
+        """Give a locked node GPU pages and start copying its data there; False if no room.
+
+        Host -> GPU copies are appended to `copies` for `_start_copies` (one copier call for a whole prefix).
+        """
         n = node.num_pages
         if node.loc[1] is None and (self.host is None or node.id in self._writing):
             return False
@@ -234,7 +239,10 @@ class TierController:
         if prefetch is not None:  # its read is in flight: it lands in host memory, then copies here
             prefetch.to_device = True
         elif node.loc[1] is not None:
-            node.pending = self.copier.to_device(node.loc[1], dev) if self.copier else COMPLETED
+            if self.copier is None:
+                node.pending = COMPLETED
+            else:
+                copies.append((node, dev))
             self.stats.moved(HOST, DEVICE, n, self.page_bytes)
         else:
             host_pages = self._allocate(HOST, n)
@@ -248,6 +256,16 @@ class TierController:
         self._private.difference_update(dev)
         self.tree.set_location(node, DEVICE, dev)
         return True
+
+    def _start_copies(self, copies: list[tuple[TreeNode, list[int]]]) -> None:
+        """Copy the host pages of these nodes into their GPU pages in one copier call (one transfer for all):
+        per-call costs (index uploads, stream waits, Python) are paid once per prefix, not once per node."""
+        if not copies:
+            return
+        host_pages = [p for node, _ in copies for p in node.loc[1]]
+        transfer = self.copier.to_device(host_pages, [p for _, dev in copies for p in dev])
+        for node, _ in copies:
+            node.pending = transfer
 
     def _host_page(self, page: int) -> Any:
         view = getattr(self.host, "page_view", None)

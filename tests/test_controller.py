@@ -425,3 +425,17 @@ def test_property_against_reference(ops, sizes, policy):
         h.check_all_bytes()
     h.ctrl.close()
     h.ctrl.check_integrity()
+
+
+def test_a_host_prefix_of_several_nodes_loads_in_one_copier_call():
+    h = Harness(device=8, host=16, disk=0)
+    h.run(seq(1, 2))
+    h.run(seq(1, 2)[:-1] + [7] * 2 * LAYOUT.page_size + [8])  # branches after page 2: seq 1 splits into nodes
+    h.run(seq(1, 2)[:-1] + [9] * 2 * LAYOUT.page_size + [8])
+    h.run(seq(2, 8))  # all of the above off the GPU (8 pages), kept on host
+    calls = []
+    original = h.ctrl.copier.to_device
+    h.ctrl.copier.to_device = lambda host, dev: calls.append((list(host), list(dev))) or original(host, dev)
+    assert h.run(seq(1, 2)[:-1] + [7] * 2 * LAYOUT.page_size + [8]) == {HOST: 4}
+    assert len(calls) == 1 and len(calls[0][0]) == 4  # two nodes (2 + 2 pages), one call
+    h.check_all_bytes()

@@ -53,7 +53,9 @@ def num_splits_for(batch: int, num_kv_heads: int, device: torch.device) -> int:
 
 if triton is not None:
 
-    @triton.jit
+    # strides that change between calls (the page table's width, q's row stride) are not specialised on,
+    # so serving compiles each kernel once instead of once per value class
+    @triton.jit(do_not_specialize=["stride_qb", "stride_tb", "stride_ob", "stride_lb"])
     def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
         stride_qb, stride_qh,
@@ -108,7 +110,7 @@ if triton is not None:
         tl.store(o_ptrs, out, mask=row_ok[:, None])
         tl.store(mid_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_ob", "stride_lb", "stride_outb"])
     def _decode_merge_kernel(
         mid_o_ptr, mid_lse_ptr, out_ptr,
         stride_ob, stride_oh, stride_os,
