@@ -22,12 +22,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=80)
     ap.add_argument("--page-size", type=int, default=4, help="16 or more runs decode through the Triton kernel")
     ap.add_argument("--graphs", type=int, default=0, help="model.cuda_graph_max_batch (CUDA, page size >= 16)")
+    ap.add_argument("--load-mode", default="auto", choices=["auto", "always", "never"],
+                    help="cache.load_policy.mode (on a GPU, auto recomputes random:tiny's cheap pages)")
     args = ap.parse_args()
     cfg = override(Config(), {
         "model.name": "random:tiny", "model.device": args.device, "cache.page_size": args.page_size,
         "cache.device": {"size_tokens": 40 * args.page_size}, "cache.host": {"size_tokens": 128 * args.page_size},
         "scheduler.chunk_tokens": 48, "scheduler.max_running_requests": 6,
-        "model.cuda_graph_max_batch": args.graphs,
+        "model.cuda_graph_max_batch": args.graphs, "cache.load_policy.mode": args.load_mode,
     })
     engine = build_engine(cfg)
     rng = random.Random(7)
