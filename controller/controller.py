@@ -169,7 +169,7 @@ class TierController:
         ticket = LoadTicket(nodes[-1] if nodes else self.tree.root, m.num_pages, gap=(k, s) if k < s else None)
         self.tree.lock(ticket.node)
         pos = 0
-        copies: list[tuple[TreeNode, list[int]]] = []
+        copies: list[TreeNode] = []
         for i, node in enumerate(nodes):
             if not k <= pos < s and node.loc[0] is None and not self._load_node(node, copies):
                 if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
@@ -221,10 +221,10 @@ class TierController:
         self.tree.lock(node)
         self.tree.unlock(old)
 
-    def _load_node(self, node: TreeNode, copies: list[tuple[TreeNode, list[int]]]) -> bool:
+    def _load_node(self, node: TreeNode, copies: list[TreeNode]) -> bool:
         """Give a locked node GPU pages and start copying its data there; False if no room.
 
-        Host -> GPU copies are appended to `copies` for `_start_copies` (one copier call for a whole prefix).
+        Nodes to copy from host are appended to `copies` for `_start_copies` (one copier call per prefix).
         """
         n = node.num_pages
         if node.loc[1] is None and (self.host is None or node.id in self._writing):
@@ -242,7 +242,7 @@ class TierController:
             if self.copier is None:
                 node.pending = COMPLETED
             else:
-                copies.append((node, dev))
+                copies.append(node)
             self.stats.moved(HOST, DEVICE, n, self.page_bytes)
         else:
             host_pages = self._allocate(HOST, n)
@@ -257,14 +257,13 @@ class TierController:
         self.tree.set_location(node, DEVICE, dev)
         return True
 
-    def _start_copies(self, copies: list[tuple[TreeNode, list[int]]]) -> None:
-        """Copy the host pages of these nodes into their GPU pages in one copier call (one transfer for all):
-        per-call costs (index uploads, stream waits, Python) are paid once per prefix, not once per node."""
-        if not copies:
+    def _start_copies(self, nodes: list[TreeNode]) -> None:
+        """Copy these nodes' host pages into their (just assigned) GPU pages in one copier call, one transfer
+        for all: per-call costs (index uploads, stream waits, Python) are paid once per prefix, not per node."""
+        if not nodes:
             return
-        host_pages = [p for node, _ in copies for p in node.loc[1]]
-        transfer = self.copier.to_device(host_pages, [p for _, dev in copies for p in dev])
-        for node, _ in copies:
+        transfer = self.copier.to_device([p for n in nodes for p in n.loc[1]], [p for n in nodes for p in n.loc[0]])
+        for node in nodes:
             node.pending = transfer
 
     def _host_page(self, page: int) -> Any:

@@ -150,16 +150,18 @@ def paged_attention(
             # the whole batch is one sequence's prefill: SDPA's output is the result, no copy into `out`
             return _attend_prefill(q, k, v, k_pool, v_pool, *plan.prefill[0])
         out = torch.empty_like(q)
-        _attend(q, k, v, kv_layer, plan, out)
+        _attend(q, k, v, kv_layer, k_pool, v_pool, plan, out)
     return out
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, plan: AttentionPlan, out: Tensor) -> None:
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, k_pool: Tensor, v_pool: Tensor, plan: AttentionPlan,
+    out: Tensor,
+) -> None:
+    """kv_layer: the layer's pool [2, pages, page_size, ...] (for the kernel); k_pool, v_pool: its flat slot views."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    k_pool = kv_layer[0].view(-1, num_kv_heads, head_dim)
-    v_pool = kv_layer[1].view(-1, num_kv_heads, head_dim)
     if plan.kernel is not None:
         rows, kernel = plan.decode_rows, plan.kernel
         out[rows] = paged_decode_attention(q[rows], kv_layer[0], kv_layer[1], kernel.page_table, kernel.seq_lens)
