@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,6 +90,7 @@ class TierController:
         self.prefetch_enabled = prefetch and l3 is not None
         self._prefetching = 0  # pages read by prefetch holds not yet released
         self._backups: dict[int, TransferHandle] = {}  # GPU page -> its latest GPU -> host copy (may be in flight)
+        self._deferred: deque[TreeNode] = deque()  # committed nodes whose write-through copy waits (oldest first)
         self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
 
     # ------------------------------------------------------------------ matching and loading
@@ -360,6 +362,8 @@ class TierController:
         pages = self._allocate(DEVICE, n)
         if pages is not None:
             self._private.update(pages)
+            if self._deferred and not self._deferring():
+                self.flush_backups()
         return pages
 
     def free_device(self, pages: Sequence[int]) -> None:
@@ -400,10 +404,8 @@ class TierController:
         self.tree.lock(node)
         self.tree.unlock(ticket.node)
         ticket.node = node
-        if self.host is not None:
-            for n in path:
-                if self.policy.device_to_host == "write_through":
-                    self._backup_to_host(n)
+        if self.host is not None and self.policy.device_to_host == "write_through":
+            self._write_through(path)
         return ticket.device_pages()
 
     def commit_gap(self, ticket: LoadTicket, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
@@ -437,8 +439,7 @@ class TierController:
         ticket.gap = (end, s) if end < s else None
         part = ticket.part(k, end)
         if self.host is not None and self.policy.device_to_host == "write_through":
-            for n in part:
-                self._backup_to_host(n)
+            self._write_through(part)
         return [p for n in part for p in n.loc[0]]
 
     def release(self, ticket: LoadTicket) -> None:
@@ -452,12 +453,55 @@ class TierController:
 
     # ------------------------------------------------------------------ write policies
 
+    def _deferring(self) -> bool:
+        """Whether new write-through copies wait: the policy allows it and the GPU pool has room to spare."""
+        p = self.policy
+        return p.defers_backups and self.device.allocator.free_pages > p.defer_above_free * self.device.capacity_pages
+
+    def _write_through(self, nodes: list[TreeNode]) -> None:
+        """Back up newly committed nodes now, or queue them while the GPU pool has room (deferred write-through)."""
+        if self._deferring():
+            self._deferred.extend(nodes)
+            self.stats.deferred_pages += sum(n.num_pages for n in nodes)
+            return
+        self.flush_backups()
+        for node in nodes:
+            self._backup_to_host(node)
+
+    def idle(self) -> None:
+        """The engine has nothing to run: start the deferred write-through copies while they cost nothing."""
+        if self._deferred:
+            self.flush_backups()
+
+    def flush_backups(self) -> int:
+        """Start every deferred write-through copy, oldest first; returns the pages copied.
+
+        Called when free GPU pages fall to the policy's share, and by the engine when it idles (so a burst's KV
+        reaches host memory, and L3, once the burst is over). A queued node may have been split since (its
+        upper part is then an ancestor, which may still wait after the lower part was evicted), evicted, or copied
+        already. So each queued node's path is walked up to the first GPU node with a host copy.
+        """
+        copied = 0
+        while self._deferred:
+            chain = []
+            walk = self._deferred.popleft()
+            while walk.parent is not None and (walk.loc[0] is None or walk.loc[1] is None):
+                if walk.loc[0] is not None:
+                    chain.append(walk)
+                walk = walk.parent
+            for node in reversed(chain):
+                if self._backup_to_host(node):
+                    copied += node.num_pages
+        return copied
+
     def _selective_backups(self, nodes: list[TreeNode]) -> None:
         """Back up hit pages that a selective policy now admits; retry write-through that was refused
         earlier (full queue, or the L3 admission rule, which counts these hits)."""
         hits = self.policy.selective_hits
         for node in nodes:
-            if self.host is not None and node.loc[1] is None and self.policy.device_to_host == "write_through":
+            if self.host is not None and node.loc[1] is None and self.policy.device_to_host == "write_through" and (
+                not self._deferring()
+            ):
                 self._backup_to_host(node)  # its host copy was evicted while the GPU kept it: copy it again
             if self.l3 is not None and node.loc[1] is not None and node.loc[2] is None and (
                 self.policy.host_to_disk == "write_through"
@@ -641,7 +685,9 @@ class TierController:
     def _evict_node(self, tier: str, node: TreeNode) -> int:
         n = node.num_pages
         if tier == DEVICE:
-            if self.host is not None and node.loc[1] is None and self.policy.device_to_host == "write_back":
+            if self.host is not None and node.loc[1] is None and (
+                self.policy.device_to_host == "write_back" or self.policy.defers_backups
+            ):
                 self._backup_to_host(node)  # its copy is waited for when the pages are freed, below
         elif tier == HOST:
             if self.l3 is not None and node.loc[2] is None and node.id not in self._writing and (
@@ -726,7 +772,10 @@ class TierController:
                                  f"> capacity {self.disk_capacity}")
 
     def close(self) -> None:
-        """Finish queued L3 writes and apply them."""
+        """Start the deferred host copies (write-through persists on a clean shutdown), finish queued L3 writes
+        and apply them."""
+        if self._deferred:
+            self.flush_backups()
         if self.worker is not None:
             self.worker.wait_idle()
             self.poll()

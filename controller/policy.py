@@ -14,10 +14,21 @@ class WritePolicy:
     device_to_host: str = "write_through"
     host_to_disk: str = "write_through"
     selective_hits: int = 2
+    # device_to_host write_through only: while more than this share of the GPU pool is free, a new page's host
+    # copy waits (it is started when free pages fall to this share, when the page is evicted, or when the engine
+    # idles). 1.0: copy every page as soon as it is computed.
+    defer_above_free: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("device_to_host", "host_to_disk"):
             if getattr(self, name) not in WRITE_POLICIES:
                 raise ValueError(f"write policy {name}={getattr(self, name)!r}; choices: {list(WRITE_POLICIES)}")
+        if not 0.0 <= self.defer_above_free <= 1.0:
+            raise ValueError(f"defer_above_free must be in [0, 1], got {self.defer_above_free}")
         if self.selective_hits < 1:
             raise ValueError(f"selective_hits must be >= 1, got {self.selective_hits}")
+
+    @property
+    def defers_backups(self) -> bool:
+        """Whether GPU -> host write-through copies may wait for memory pressure (see defer_above_free)."""
+        return self.device_to_host == "write_through" and self.defer_above_free < 1.0

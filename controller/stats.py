@@ -23,6 +23,7 @@ class CacheStats:
     drops: Counter = field(default_factory=Counter)  # reason -> pages not backed up / not loaded
     load_failures: int = 0  # L3 reads that missed or failed verification
     prefetched_pages: int = 0  # L3 -> host reads started for queued requests
+    deferred_pages: int = 0  # new GPU pages whose write-through copy to host waited for memory pressure or idle
 
     def moved(self, src: str, dst: str, pages: int, page_bytes: int) -> None:
         promote = TIERS.index(dst) < TIERS.index(src)
@@ -41,4 +42,5 @@ class CacheStats:
             "drops": dict(self.drops),
             "load_failures": self.load_failures,
             "prefetched_pages": self.prefetched_pages,
+            "deferred_pages": self.deferred_pages,
         }

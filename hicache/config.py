@@ -67,6 +67,9 @@ class WritePolicyConfig:
     device_to_host: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     host_to_disk: Literal["write_through", "write_through_selective", "write_back"] = "write_back"
     selective_hits: int = 2  # hits before write_through_selective backs a page up
+    # write_through: while more than this share of the GPU pool is free, new pages' host copies wait (for the pool
+    # to fill, for their eviction, or for the engine to idle); 1.0 copies every page as soon as it is computed
+    defer_above_free: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,9 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     _positive(c.l3.sync_batch_pages, "cache.l3.sync_batch_pages", source)
     _positive(c.l3.admission_hits, "cache.l3.admission_hits", source, allow_zero=True)
     _positive(c.write_policy.selective_hits, "cache.write_policy.selective_hits", source)
+    if not 0.0 <= c.write_policy.defer_above_free <= 1.0:
+        raise ConfigError(f"{source}: cache.write_policy.defer_above_free: must be in [0, 1], "
+                          f"got {c.write_policy.defer_above_free}")
     for name in ("prefill_tokens_per_s", "host_to_device_gbps", "disk_to_device_gbps"):
         _positive(getattr(c.load_policy, name), f"cache.load_policy.{name}", source)
     if c.load_policy.overlap and c.load_policy.mode != "auto":

@@ -99,6 +99,63 @@ def test_write_through_then_hits_from_each_tier():
     h.check_all_bytes()
 
 
+DEFER = WritePolicy("write_through", "write_through", defer_above_free=0.5)
+
+
+def test_deferred_write_through_waits_for_the_pool_to_fill():
+    h = Harness(device=8, host=16, disk=32, policy=DEFER)
+    h.run(seq(1, 2))  # 6 of 8 GPU pages free (> half): the copy waits
+    assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 2
+    assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node.loc[1] is None
+    h.run(seq(2, 2))  # 4 free after allocating (not above half): every waiting copy starts, then this one
+    assert h.host.used_pages() == 4 and h.ctrl.stats.deferred_pages == 2
+    assert h.ctrl.stats.pages_demoted[(DEVICE, HOST)] == 4 and h.l3.used_pages() == 4  # write-through to disk too
+    h.check_all_bytes()
+
+
+def test_deferred_write_through_copies_on_eviction():
+    h = Harness(device=5, host=16, disk=0, policy=WritePolicy("write_through", "write_through", defer_above_free=0.0))
+    h.run(seq(1, 2))
+    h.run(seq(2, 2))  # 1 page free: still deferred
+    assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 4
+    h.run(seq(3, 2))  # evicts seq 1's last page, copied on its way out; then the pool is full: the rest is copied
+    assert h.ctrl.stats.evictions[DEVICE] == 1 and h.host.used_pages() == 6
+    assert h.run(seq(1, 2)) == {DEVICE: 1, HOST: 1}
+    h.check_all_bytes()
+
+
+def test_deferred_write_through_copies_when_idle():
+    h = Harness(device=8, host=16, disk=0, policy=DEFER)
+    h.run(seq(1, 2))
+    h.run(seq(1, 1)[:-1] + [5] * LAYOUT.page_size + [6])  # a branch after page 1: seq 1's node splits
+    assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 3
+    h.ctrl.idle()  # the engine has nothing to run: every page still waiting is copied
+    tree = h.ctrl.tree
+    assert h.host.used_pages() == 3
+    assert all(node.loc[1] is not None for node in tree.nodes() if node.loc[0] is not None)
+    assert h.ctrl.flush_backups() == 0
+    h.check_all_bytes()
+
+
+def test_deferred_copy_of_a_split_node_covers_both_parts():
+    h = Harness(device=16, host=16, disk=0, policy=DEFER)
+    h.run(seq(1, 4))
+    h.run(seq(1, 4)[: 2 * LAYOUT.page_size] + [5] * 2 * LAYOUT.page_size + [6])  # splits seq 1's node after 2 pages
+    assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 6
+    assert h.ctrl.flush_backups() == 6  # the upper part (2 pages) and both tails (2 + 2)
+    assert h.host.used_pages() == 6
+    h.check_all_bytes()
+
+
+def test_clean_shutdown_writes_deferred_pages_through_to_disk():
+    h = Harness(device=8, host=16, disk=32, policy=DEFER)
+    h.run(seq(1, 2))
+    assert h.l3.used_pages() == 0
+    h.ctrl.close()
+    assert h.l3.used_pages() == 2 and h.host.used_pages() == 2
+    h.check_all_bytes()
+
+
 def test_write_back_copies_only_on_eviction():
     h = Harness(device=2, host=4, disk=16, policy=WritePolicy("write_back", "write_back"))
     h.run(seq(1, 2))
@@ -392,6 +449,8 @@ def test_disk_needs_host():
         WritePolicy(), WritePolicy("write_back", "write_back"),
         WritePolicy("write_through_selective", "write_through_selective", 1),
         WritePolicy("write_through", "write_back"),
+        WritePolicy("write_through", "write_through", defer_above_free=0.5),
+        WritePolicy("write_through", "write_back", defer_above_free=0.0),
     ]),
 )
 def test_property_against_reference(ops, sizes, policy):

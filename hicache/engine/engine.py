@@ -131,6 +131,8 @@ class Engine:
         plan = self.scheduler.schedule()
         self.counters["schedule_s"] += time.perf_counter() - start
         if not plan:
+            if not self.scheduler.has_work():
+                self.ctrl.idle()
             return outputs
         for req, _ in plan:
             if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream

@@ -95,7 +95,7 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
         raise ReplayError(f"{e} (block = {block_tokens} tokens)") from None
     wp = cfg.cache.write_policy
     policy = WritePolicy(args.write_device_to_host or wp.device_to_host, args.write_host_to_disk or wp.host_to_disk,
-                         args.selective_hits or wp.selective_hits)
+                         args.selective_hits or wp.selective_hits, wp.defer_above_free)
     lp = cfg.cache.load_policy
     gbps = lambda flag, conf: (flag or conf) and (flag or conf) * 1e9  # noqa: E731
     return ReplaySetup(

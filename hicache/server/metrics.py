@@ -76,6 +76,9 @@ class CacheCollector:
                                   value=cache.get("load_failures", 0))
         yield CounterMetricFamily("hicache_l3_prefetched_pages", "L3 -> host reads started for queued requests",
                                   value=cache.get("prefetched_pages", 0))
+        yield CounterMetricFamily("hicache_deferred_backup_pages",
+                                  "New GPU pages whose write-through copy to host waited for memory pressure or idle",
+                                  value=cache.get("deferred_pages", 0))
         yield from self._tiers(s.get("tiers", {}))
         yield from self._l3()
         yield from self._scheduler(s)

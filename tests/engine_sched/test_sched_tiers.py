@@ -104,3 +104,29 @@ def test_stop_string_trims_and_streams(smollm):
     assert out.finish_reason == "stop"
     assert text == full[1][: full[1].index("Paris")]
     assert "Par" not in text[-3:]
+
+
+def test_idle_engine_starts_deferred_host_copies(smollm, baseline):
+    """With room on the GPU, write-through copies wait (cache.write_policy.defer_above_free); an idle step copies."""
+    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=4096,
+                         cache__host__size_tokens=4096, cache__write_policy__defer_above_free=0.25)
+    generate(engine, [A])
+    ctrl = engine.ctrl
+    full = len(engine.tokenizer.encode(A)) // PAGE
+    assert ctrl.host.used_pages() == 0 and ctrl.stats.deferred_pages >= full
+    assert engine.step() == [] and not engine.has_unfinished()  # idle
+    nodes = [n for n in ctrl.tree.nodes() if n.loc[0] is not None]
+    assert ctrl.host.used_pages() == sum(n.num_pages for n in nodes) >= full
+    for node in nodes:  # the host copies hold the GPU pages' bytes (page-first vs layer-first layout)
+        for dev_page, host_page in zip(node.loc[0], node.loc[1]):
+            assert ctrl.host.buffer[host_page].equal(ctrl.device.kv[:, :, dev_page])
+    engine.close()
+
+
+def test_write_through_at_commit_when_deferral_is_off(smollm, baseline):
+    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=4096,
+                         cache__host__size_tokens=4096, cache__write_policy__defer_above_free=1.0)
+    generate(engine, [A])
+    assert engine.ctrl.host.used_pages() >= len(engine.tokenizer.encode(A)) // PAGE
+    assert engine.ctrl.stats.deferred_pages == 0
+    engine.close()
