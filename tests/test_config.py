@@ -27,7 +27,7 @@ def test_defaults_and_shipped_configs_are_valid():
         ({"cache": {"host": {"size_gib": -1}}}, "cache.host.size_gib: must be >= 0"),
         ({"cache": {"host": {"size_gib": 1, "size_tokens": 5}}}, "give exactly one of"),
         ({"cache": {"write_policy": {"device_to_host": "sometimes"}}}, "is not one of"),
-        ({"cache": {"write_policy": {"defer_above_free": 1.5}}}, r"cache.write_policy.defer_above_free: must be in \[0, 1\]"),
+        ({"cache": {"write_policy": {"defer_above_free": 1.5}}}, r"write_policy.defer_above_free: must be in \[0, 1\]"),
         ({"server": {"port": 70000}}, "server.port: must be in 1..65535"),
         ({"model": {"dtype": "int3"}}, "model.dtype"),
         ({"cache": {"l3": {"path": ""}}}, "cache.l3.path: must not be empty"),
