@@ -63,7 +63,7 @@ def build(model_pair: tuple[Any, Any], values: dict[str, Any], args: argparse.Na
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def dispose(engine: Any) -> None:
