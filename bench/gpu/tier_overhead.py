@@ -103,7 +103,8 @@ def run_batch(engine: Any, batch: list[list[int]], out_len: int, tag: str) -> di
     return {
         "wall_s": wall, "ttft_p50": statistics.median(ttfts), "ttft_mean": statistics.fmean(ttfts),
         "input_tok_s": sum(map(len, batch)) / wall, "output_tok_s": outputs / wall,
-        "forward_s": delta("forward_s"), "schedule_s": delta("schedule_s"), "steps": delta("steps"),
+        "forward_s": delta("forward_s"), "schedule_s": delta("schedule_s"), "inputs_s": delta("inputs_s"),
+        "steps": delta("steps"),
         "pages_to_host": cache["pages_demoted"].get("device->host", 0) - cache0["pages_demoted"].get("device->host", 0),
         "pages_deferred": cache["deferred_pages"] - cache0["deferred_pages"],
         "evicted_device": cache["evictions"]["device"] - cache0["evictions"]["device"],
@@ -193,7 +194,8 @@ def multiturn(args: argparse.Namespace, model_pair: tuple[Any, Any]) -> dict[str
             seen = hits
             results.setdefault(arm, []).append(res)
             print(f"{arm} round {r}: wall {res['wall_s']:.3f} forward {res['forward_s']:.3f} "
-                  f"schedule {res['schedule_s']:.3f} ttft p50 {res['ttft_p50']:.3f} hits {res['hits']}", flush=True)
+                  f"schedule {res['schedule_s']:.3f} inputs {res['inputs_s']:.3f} ttft p50 {res['ttft_p50']:.3f} "
+                  f"hits {res['hits']}", flush=True)
             # the answer joins the history (8 greedy tokens; random ids of the same length keep arms identical)
             history = [b + [rng.randrange(100, vocab) for _ in range(8)] for b in batch]
         dispose(engine)

@@ -56,7 +56,7 @@ class Engine:
         self._pending: list[StepOutput] = []  # errors found at add_request, reported by the next step
         self.counters = {
             "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0, "graph_steps": 0,
-            "schedule_s": 0.0,
+            "schedule_s": 0.0, "inputs_s": 0.0,
         }
         self.graphs: DecodeGraphs | None = None
         max_batch = min(cuda_graph_max_batch, config.max_running_requests)
@@ -140,11 +140,13 @@ class Engine:
                 req.needs_stream_wait = False
         start = time.perf_counter()
         logits = self._forward(plan)
-        self.scheduler.advance(plan)
-        rows = [i for i, (req, _) in enumerate(plan) if req.computed == len(req.token_ids)]
+        rows = [i for i, (req, n) in enumerate(plan) if req.computed + n == len(req.token_ids)]
         reqs = [plan[i][0] for i in rows]
         chosen = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs]).tolist() if rows else []
         self.counters["forward_s"] += time.perf_counter() - start
+        # commit after the sampled tokens reached the host: the GPU -> host backups commits start are queued
+        # after this step's work, so the small copy of the sampled tokens never waits behind them
+        self.scheduler.advance(plan)
         self.counters["steps"] += 1
         for req, n in plan:
             self.counters["decode_tokens" if n == 1 and req.num_output else "prefill_tokens"] += n
@@ -167,6 +169,7 @@ class Engine:
                 [req.computed for req, _ in plan],
                 [req.pages for req, _ in plan],
             )
+        start_inputs = time.perf_counter()
         ids: list[int] = []
         positions, slots, tables = [], [], []
         for req, n in plan:
@@ -185,6 +188,7 @@ class Engine:
             new_lens=[n for _, n in plan],
             page_tables=tables,
         )
+        self.counters["inputs_s"] += time.perf_counter() - start_inputs
         return self.model(batch, self.kv, ps)
 
     def _append(self, req: Request, token: int) -> None:
