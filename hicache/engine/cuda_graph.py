@@ -7,7 +7,8 @@ nothing, so it is captured once per batch size at startup and each step becomes 
 copy of the inputs plus one graph launch.
 
 Inputs live in one flat int64 device buffer (ids, positions, slots and lengths of max_batch rows, then a
-[max_batch, max_pages] page table); a step fills a pinned host copy of it and sends the rows it uses.
+[max_batch, max_pages] page table); a step fills a pinned host copy of it and sends the rows it uses (a
+kernel reads them through the mapped pinned buffer where CuPy can map it, see hicache.engine.host_io).
 The graphs share one memory pool, captured largest first so smaller batches reuse its blocks.
 """
 
@@ -22,6 +23,8 @@ import torch
 from torch import Tensor
 
 from hicache.engine.attention import DecodePlan
+from hicache.engine.host_io import kernel_copy
+from tiers.cuda_copy import map_host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class DecodeGraphs:
         self._staging = torch.zeros(size, dtype=torch.int64, pin_memory=True)
         self._host = self._staging.numpy()  # numpy view: cheap element writes from Python
         self._host_table = self._host[4 * max_batch :].reshape(max_batch, max_pages)
+        self._alias = map_host_tensor(self._staging, kv.device)  # read by a kernel: see hicache.engine.host_io
         self._sent = torch.cuda.Event()  # the last H2D copy out of `_staging`
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.capture_s = 0.0
@@ -118,9 +122,12 @@ class DecodeGraphs:
             host[2 * mb + row] = pages[num_pages - 1] * ps + pos % ps
             host[3 * mb + row] = pos + 1
             self._host_table[row, :num_pages] = pages[:num_pages]
-        self._inputs[: 4 * mb].copy_(self._staging[: 4 * mb], non_blocking=True)
         table_end = 4 * mb + batch * self.max_pages
-        self._inputs[4 * mb : table_end].copy_(self._staging[4 * mb : table_end], non_blocking=True)
+        for lo, hi in ((0, 4 * mb), (4 * mb, table_end)):
+            if self._alias is not None:  # a kernel reads the mapped staging: no copy-engine queue to wait in
+                kernel_copy(self._inputs[lo:hi], self._alias[lo:hi])
+            else:
+                self._inputs[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
         self._sent.record()
         graph.replay()
         self.replays += 1

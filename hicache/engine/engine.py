@@ -12,10 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache.config import SchedulerConfig
 from hicache.engine.cuda_graph import DecodeGraphs, decode_graph_pages
+from hicache.engine.host_io import HostStaging
 from hicache.engine.model import ForwardBatch
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status, StepOutput
@@ -58,6 +60,7 @@ class Engine:
             "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0, "graph_steps": 0,
             "schedule_s": 0.0, "inputs_s": 0.0,
         }
+        self.staging = HostStaging(self.device) if self.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         max_batch = min(cuda_graph_max_batch, config.max_running_requests)
         if max_batch > 0 and self.device.type == "cuda" and model.uses_decode_kernel(self.page_size):
@@ -142,10 +145,12 @@ class Engine:
         logits = self._forward(plan)
         rows = [i for i, (req, n) in enumerate(plan) if req.computed + n == len(req.token_ids)]
         reqs = [plan[i][0] for i in rows]
-        chosen = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs]).tolist() if rows else []
+        chosen = []
+        if rows:
+            chosen = self._download(sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs]))
         self.counters["forward_s"] += time.perf_counter() - start
-        # commit after the sampled tokens reached the host: the GPU -> host backups commits start are queued
-        # after this step's work, so the small copy of the sampled tokens never waits behind them
+        # commit after the sampled tokens reached the host: the GPU -> host backups that commits start are
+        # queued after this step's work, so reading the sampled tokens never waits behind them
         self.scheduler.advance(plan)
         self.counters["steps"] += 1
         for req, n in plan:
@@ -170,26 +175,38 @@ class Engine:
                 [req.pages for req, _ in plan],
             )
         start_inputs = time.perf_counter()
+        # one int64 array [ids | positions | slots | page tables], sent to the device in one transfer
         ids: list[int] = []
         positions, slots, tables = [], [], []
         for req, n in plan:
             start = req.computed
             ids.extend(req.token_ids[start : start + n])
-            table = torch.tensor(req.pages[: -(-(start + n) // ps)], dtype=torch.int64)
-            pos = torch.arange(start, start + n)
+            table = np.asarray(req.pages[: -(-(start + n) // ps)], dtype=np.int64)
+            pos = np.arange(start, start + n, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // ps] * ps + pos % ps)  # flat slot of each new token
-            tables.append(table.to(self.device))
+            tables.append(table)
+        total = len(ids)
+        packed = np.concatenate([np.asarray(ids, dtype=np.int64), *positions, *slots, *tables])
+        flat = self.staging.upload(packed) if self.staging is not None else torch.from_numpy(packed).to(self.device)
+        views, offset = [], 3 * total
+        for table in tables:
+            views.append(flat[offset : offset + len(table)])
+            offset += len(table)
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions=torch.cat(positions).to(self.device),
-            out_slots=torch.cat(slots).to(self.device),
+            input_ids=flat[:total],
+            positions=flat[total : 2 * total],
+            out_slots=flat[2 * total : 3 * total],
             seq_lens=[req.computed + n for req, n in plan],
             new_lens=[n for _, n in plan],
-            page_tables=tables,
+            page_tables=views,
         )
         self.counters["inputs_s"] += time.perf_counter() - start_inputs
         return self.model(batch, self.kv, ps)
+
+    def _download(self, tokens: torch.Tensor) -> list[int]:
+        """The sampled tokens on the host (through the kernel-written staging buffer on CUDA; see host_io)."""
+        return self.staging.download(tokens) if self.staging is not None else tokens.tolist()
 
     def _append(self, req: Request, token: int) -> None:
         """Add a sampled token; finish the request on a stop condition."""
