@@ -172,8 +172,9 @@ class TierController:
         self.tree.lock(ticket.node)
         pos = 0
         copies: list[TreeNode] = []
+        spare = self._allocate_loads(nodes, k, s)
         for i, node in enumerate(nodes):
-            if not k <= pos < s and node.loc[0] is None and not self._load_node(node, copies):
+            if not k <= pos < s and node.loc[0] is None and not self._load_node(node, copies, spare):
                 if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
                     ticket.gap = None
                     i = min(i, len(ticket.part(0, k)))
@@ -181,6 +182,8 @@ class TierController:
                 nodes = nodes[:i]
                 break
             pos += node.num_pages
+        if spare:
+            self.device.free(spare)  # a load stopped early (no host room for a disk read): its pages go back
         self._start_copies(copies)
         pos = 0
         for node, tier in zip(nodes, tiers):
@@ -223,10 +226,25 @@ class TierController:
         self.tree.lock(node)
         self.tree.unlock(old)
 
-    def _load_node(self, node: TreeNode, copies: list[TreeNode]) -> bool:
+    def _allocate_loads(self, nodes: list[TreeNode], k: int, s: int) -> list[int]:
+        """GPU pages for every node of a new ticket that must be loaded (outside its gap [k, s)), taken in one
+        allocation, or [] if they do not all fit (each node then allocates its own, and the ticket stops at the
+        first that cannot). One allocation evicts in one pass: per node, eviction split other nodes into
+        ever smaller pieces, and a long prefix paid an eviction call per piece."""
+        want, pos = 0, 0
+        for node in nodes:
+            if not k <= pos < s and node.loc[0] is None:
+                want += node.num_pages
+            pos += node.num_pages
+        if want <= 1:
+            return []
+        return self._allocate(DEVICE, want) or []
+
+    def _load_node(self, node: TreeNode, copies: list[TreeNode], spare: list[int] | None = None) -> bool:
         """Give a locked node GPU pages and start copying its data there; False if no room.
 
         Nodes to copy from host are appended to `copies` for `_start_copies` (one copier call per prefix).
+        The GPU pages come from the front of `spare` (taken from it) while it has enough, else are allocated.
         """
         n = node.num_pages
         if node.loc[1] is None and (self.host is None or node.id in self._writing):
@@ -234,7 +252,11 @@ class TierController:
         prefetch = node.pending if isinstance(node.pending, DiskLoad) else None
         if prefetch is None:
             node.pending = None  # any earlier transfer finished with the device copy it filled
-        dev = self._allocate(DEVICE, n)
+        if spare is not None and len(spare) >= n:
+            dev = spare[:n]
+            del spare[:n]
+        else:
+            dev = self._allocate(DEVICE, n)
         if dev is None:
             self.stats.drops["device_full_on_load"] += n
             return False

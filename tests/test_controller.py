@@ -498,3 +498,17 @@ def test_a_host_prefix_of_several_nodes_loads_in_one_copier_call():
     assert h.run(seq(1, 2)[:-1] + [7] * 2 * LAYOUT.page_size + [8]) == {HOST: 4}
     assert len(calls) == 1 and len(calls[0][0]) == 4  # two nodes (2 + 2 pages), one call
     h.check_all_bytes()
+
+
+def test_a_host_prefix_of_several_nodes_gets_its_gpu_pages_in_one_eviction_pass():
+    h = Harness(device=8, host=32, disk=0)
+    h.run(seq(1, 2))
+    h.run(seq(1, 2)[:-1] + [7] * 2 * LAYOUT.page_size + [8])  # seq 1's node splits: the prefix is two nodes
+    h.run(seq(2, 8))  # the GPU is full of seq 2; seq 1's pages are on host only
+    assert h.dev.allocator.free_pages == 0
+    passes = []
+    original = h.ctrl._evict
+    h.ctrl._evict = lambda tier, need, protect=None: passes.append((tier, need)) or original(tier, need, protect)
+    assert h.run(seq(1, 2)[:-1] + [7] * 2 * LAYOUT.page_size + [8]) == {HOST: 4}
+    assert passes == [(DEVICE, 4)]  # both nodes' pages at once (per node: two passes of 2)
+    h.check_all_bytes()
