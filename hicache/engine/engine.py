@@ -151,7 +151,9 @@ class Engine:
         self.counters["forward_s"] += time.perf_counter() - start
         # commit after the sampled tokens reached the host: the GPU -> host backups that commits start are
         # queued after this step's work, so reading the sampled tokens never waits behind them
+        start = time.perf_counter()
         self.scheduler.advance(plan)
+        self.counters["schedule_s"] += time.perf_counter() - start
         self.counters["steps"] += 1
         for req, n in plan:
             self.counters["decode_tokens" if n == 1 and req.num_output else "prefill_tokens"] += n

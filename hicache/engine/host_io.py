@@ -34,6 +34,7 @@ class HostStaging:
     def __init__(self, device: torch.device, size: int = 1 << 16):
         self.device = device
         self.mapped = False
+        self._read = torch.cuda.Event()  # the last kernel reading the buffer (an upload) was queued before this
         self._alloc(size)
 
     def _alloc(self, size: int) -> None:
@@ -43,17 +44,17 @@ class HostStaging:
         self.mapped = self.alias is not None
 
     def upload(self, values: Sequence[int] | np.ndarray) -> Tensor:
-        """A new int64 device tensor holding values (queued on the current stream; the host does not wait).
-
-        The staging buffer is reused by the next upload, so callers must have synchronised with the step
-        that read it (the engine does: each step ends by reading its sampled tokens)."""
+        """A new int64 device tensor holding values (queued on the current stream; the host does not wait
+        for it, only, before overwriting the buffer, for the previous upload's kernel to have read it)."""
         n = len(values)
+        self._read.synchronize()  # usually long done: a step ends by reading its sampled tokens
         if n > self.host.numel():
             self._alloc(max(n, 2 * self.host.numel()))
         self.array[:n] = values
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         if self.mapped:
             kernel_copy(out, self.alias[:n])
+            self._read.record()
         else:
             out.copy_(self.host[:n], non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()  # the buffer is reused at once
@@ -65,6 +66,7 @@ class HostStaging:
         if not self.mapped:
             return values.tolist()
         if n > self.host.numel():
+            self._read.synchronize()
             self._alloc(max(n, 2 * self.host.numel()))
         kernel_copy(self.alias[:n], values.reshape(-1))
         torch.cuda.current_stream(self.device).synchronize()

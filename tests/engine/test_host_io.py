@@ -32,3 +32,14 @@ def test_download_sees_queued_work():
         x = x * 1.0001 + 1
     token = torch.argmax(torch.cat([x[:1] * 0, torch.tensor([1.0], device="cuda")])).reshape(1)
     assert staging.download(token) == [1]
+
+
+def test_an_upload_does_not_overwrite_inputs_a_queued_kernel_has_yet_to_read():
+    staging = HostStaging(torch.device("cuda"))
+    x = torch.zeros(1 << 22, device="cuda")
+    firsts = []
+    for i in range(20):
+        for _ in range(20):  # queue work so the upload's kernel runs well after the host moved on
+            x = x * 1.0001 + 1
+        firsts.append(staging.upload(np.full(1000, i, dtype=np.int64)))
+    assert [int(t[0]) for t in firsts] == list(range(20)) and all(int(t[-1]) == i for i, t in enumerate(firsts))
