@@ -133,7 +133,7 @@ class CacheCollector:
         yield CounterMetricFamily("hicache_engine_forward_seconds", "Seconds in forward passes and sampling",
                                   value=engine.get("forward_s", 0.0))
         yield CounterMetricFamily("hicache_engine_schedule_seconds",
-                                  "Seconds planning steps (scheduler and cache controller)",
+                                  "Seconds planning steps and committing their pages (scheduler and cache controller)",
                                   value=engine.get("schedule_s", 0.0))
         yield CounterMetricFamily("hicache_computed_prefill_tokens", "Prompt tokens computed (not served by cache)",
                                   value=engine.get("prefill_tokens", 0))
