@@ -81,3 +81,14 @@ def test_cuda_copier_matches_reference():
     assert torch.equal(dev.read_pages(dev_pages).cpu(), data[order])
     copier.to_host(dev_pages, list(range(40, 60))).wait()
     assert torch.equal(host.read_pages(list(range(40, 60))), data[order])
+
+
+def test_freed_runs_are_handed_out_again_as_ascending_runs():
+    """The copiers move consecutive ascending host pages in one copy, so a freed run must come back as one."""
+    alloc = PageAllocator(16)
+    first = alloc.allocate(8)
+    assert first == list(range(8))
+    alloc.free(first[2:6])  # eviction frees a node's pages
+    assert alloc.allocate(4) == [2, 3, 4, 5]
+    alloc.free([7, 6, 5])  # in any order
+    assert alloc.allocate(3) == [5, 6, 7]

@@ -115,7 +115,9 @@ class PageAllocator:
             if not owned[p]:
                 raise RuntimeError(f"{self.name}: double free of page {p}")
             owned[p] = 0
-        self._free.extend(pages)
+        # descending, so that pop() hands them out ascending: a freed run comes back as a run, which the
+        # copiers move in one copy (as handed out before, descending, every page was its own copy)
+        self._free.extend(sorted(pages, reverse=True))
 
     def is_allocated(self, page: int) -> bool:
         return bool(self._owned[page])
