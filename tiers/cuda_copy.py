@@ -101,15 +101,18 @@ class CudaPageCopier:
             ev.record(self.shuffle_stream)
 
     def _keep(self, *tensors: torch.Tensor | None) -> None:
-        """Tell the caching allocator these compute-stream tensors are in use on the copier's streams."""
+        """Tell the caching allocator these tensors (allocated on one copier stream) are in use on both."""
         for t in tensors:
             if t is not None:
                 t.record_stream(self.copy_stream)
                 t.record_stream(self.shuffle_stream)
 
-    def _index(self, pages: Sequence[int]) -> torch.Tensor:
-        index = torch.as_tensor(list(pages), dtype=torch.long).pin_memory()
-        return index.to(self.device_pool.device, non_blocking=True)
+    def _index(self, pages: Sequence[int], stream: torch.cuda.Stream) -> torch.Tensor:
+        """Page ids on the device, uploaded on `stream` (a copier stream). On the compute stream the upload
+        would queue in the copy engine behind every load in flight, and the next forward behind it."""
+        with torch.cuda.stream(stream):
+            index = torch.as_tensor(list(pages), dtype=torch.long).pin_memory()
+            return index.to(self.device_pool.device, non_blocking=True)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(s, min(n, s + self.chunk_pages)) for s in range(0, n, self.chunk_pages)]
@@ -120,10 +123,10 @@ class CudaPageCopier:
             raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
         kv, host = self.device_pool.kv, self.host_pool.buffer
         compute = torch.cuda.current_stream()
-        dev_index = self._index(device_pages)  # uploaded on the compute stream: order it before the waits
-        host_index = self._index(host_pages) if self.host_alias is not None else None
         self.copy_stream.wait_stream(compute)  # pages being overwritten may still be read by compute
         self.shuffle_stream.wait_stream(compute)
+        dev_index = self._index(device_pages, self.copy_stream)  # the scatter waits for the copy stream's events
+        host_index = self._index(host_pages, self.copy_stream) if self.host_alias is not None else None
         self._keep(dev_index, host_index)
         if self.host_alias is not None:
             with torch.cuda.stream(self.copy_stream):
@@ -155,10 +158,11 @@ class CudaPageCopier:
             raise ValueError(f"to_host: {len(device_pages)} device pages vs {len(host_pages)} host pages")
         kv, host = self.device_pool.kv, self.host_pool.buffer
         compute = torch.cuda.current_stream()
-        dev_index = self._index(device_pages)  # uploaded on the compute stream: order it before the waits
-        host_index = self._index(host_pages) if self.host_alias is not None else None
         self.shuffle_stream.wait_stream(compute)  # the KV being saved was written by compute
         self.copy_stream.wait_stream(compute)
+        gather = self.copy_stream if self.host_alias is not None else self.shuffle_stream  # the stream that gathers
+        dev_index = self._index(device_pages, gather)
+        host_index = self._index(host_pages, gather) if self.host_alias is not None else None
         self._keep(dev_index, host_index)
         if self.host_alias is not None:
             with torch.cuda.stream(self.copy_stream):
