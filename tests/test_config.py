@@ -95,3 +95,24 @@ def test_l3_inspect_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pages" in out and "1 / 8" in out
     assert main(["l3", "inspect", "--l3-path", str(tmp_path / "nothing")]) == 2
+
+
+def test_serve_set_overrides_any_key_last():
+    import argparse
+
+    from hicache.server import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--config", "configs/h200-llama8b.yaml", "--no-l3", "--chunk-tokens", "512",
+                              "--set", "cache.write_policy.defer_above_free=1", "--set", "scheduler.chunk_tokens=1024",
+                              "--set", "cache.load_policy.prefetch=false"])
+    cfg = serve_cli.build_config(args)
+    assert cfg.cache.write_policy.defer_above_free == 1.0 and cfg.scheduler.chunk_tokens == 1024
+    assert cfg.cache.load_policy.prefetch is False and cfg.cache.l3.path is None
+    for bad, message in [("cache.nope=1", "unknown key 'cache.nope'"), ("cache.page_size", "expected KEY=VALUE"),
+                         ("cache.write_policy.defer_above_free=2", r"must be in \[0, 1\]"),
+                         ("scheduler.chunk_tokens=[1", "not valid YAML")]:
+        args = parser.parse_args(["serve", "--set", bad])
+        with pytest.raises(ConfigError, match=message):
+            serve_cli.build_config(args)

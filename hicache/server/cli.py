@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from hicache.config import Config, ServerConfig, load_config, override, set_tier_tokens
+from hicache.config import Config, ConfigError, ServerConfig, load_config, override, set_tier_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--profile-engine", metavar="FILE",
                    help="profile the engine thread (cProfile) and write its stats to FILE on shutdown")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="set any config key, applied last; VALUE is YAML (e.g. --set "
+                        "cache.write_policy.defer_above_free=1.0); repeatable")
     p.set_defaults(func=run)
 
 
@@ -81,7 +84,23 @@ def build_config(args: argparse.Namespace) -> Config:
         tokens = getattr(args, f"{tier}_tokens")
         if tokens is not None:
             cfg = set_tier_tokens(cfg, tier, tokens)
-    return cfg
+    return override(cfg, parse_settings(getattr(args, "settings", [])), "--set")
+
+
+def parse_settings(settings: list[str]) -> dict[str, Any]:
+    """--set KEY=VALUE items as dotted overrides; each VALUE is parsed as YAML (numbers, true/false, null)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. cache.write_policy.defer_above_free=1.0")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {e}") from None
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
