@@ -710,7 +710,8 @@ class TierController:
             if self.host is not None and node.loc[1] is None and (
                 self.policy.device_to_host == "write_back" or self.policy.defers_backups
             ):
-                self._backup_to_host(node)  # its copy is waited for when the pages are freed, below
+                if self._backup_to_host(node):  # its copy is waited for when the pages are freed, below
+                    self.stats.eviction_backups += n
         elif tier == HOST:
             if self.l3 is not None and node.loc[2] is None and node.id not in self._writing and (
                 self.policy.host_to_disk == "write_back"

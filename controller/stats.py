@@ -24,6 +24,7 @@ class CacheStats:
     load_failures: int = 0  # L3 reads that missed or failed verification
     prefetched_pages: int = 0  # L3 -> host reads started for queued requests
     deferred_pages: int = 0  # new GPU pages whose write-through copy to host waited for memory pressure or idle
+    eviction_backups: int = 0  # GPU pages copied to host as they were evicted (compute waits for those copies)
 
     def moved(self, src: str, dst: str, pages: int, page_bytes: int) -> None:
         promote = TIERS.index(dst) < TIERS.index(src)
@@ -43,4 +44,5 @@ class CacheStats:
             "load_failures": self.load_failures,
             "prefetched_pages": self.prefetched_pages,
             "deferred_pages": self.deferred_pages,
+            "eviction_backups": self.eviction_backups,
         }

@@ -120,6 +120,7 @@ def test_deferred_write_through_copies_on_eviction():
     assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 4
     h.run(seq(3, 2))  # evicts seq 1's last page, copied on its way out; then the pool is full: the rest is copied
     assert h.ctrl.stats.evictions[DEVICE] == 1 and h.host.used_pages() == 6
+    assert h.ctrl.stats.eviction_backups == 1
     assert h.run(seq(1, 2)) == {DEVICE: 1, HOST: 1}
     h.check_all_bytes()
 
@@ -162,6 +163,7 @@ def test_write_back_copies_only_on_eviction():
     assert h.ctrl.stats.pages_demoted[(DEVICE, HOST)] == 0 and h.host.used_pages() == 0
     h.run(seq(2, 2))  # evicts seq 1 from GPU -> copied to host first
     assert h.ctrl.stats.pages_demoted[(DEVICE, HOST)] == 2 and h.l3.used_pages() == 0
+    assert h.ctrl.stats.eviction_backups == 2
     h.run(seq(3, 2))
     h.run(seq(4, 2))  # host full of 4 pages: seq 1 goes to disk
     assert h.l3.used_pages() >= 2

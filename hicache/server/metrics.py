@@ -79,6 +79,9 @@ class CacheCollector:
         yield CounterMetricFamily("hicache_deferred_backup_pages",
                                   "New GPU pages whose write-through copy to host waited for memory pressure or idle",
                                   value=cache.get("deferred_pages", 0))
+        yield CounterMetricFamily("hicache_eviction_backup_pages",
+                                  "GPU pages copied to host as they were evicted (the compute stream waits for them)",
+                                  value=cache.get("eviction_backups", 0))
         yield from self._tiers(s.get("tiers", {}))
         yield from self._l3()
         yield from self._scheduler(s)
