@@ -795,8 +795,8 @@ class TierController:
                                  f"> capacity {self.disk_capacity}")
 
     def close(self) -> None:
-        """Start the deferred host copies (write-through persists on a clean shutdown), finish queued L3 writes
-        and apply them."""
+        """Start the deferred host copies (and so their L3 write-through, as far as the L3 queue takes them),
+        finish queued L3 writes and apply them."""
         if self._deferred:
             self.flush_backups()
         if self.worker is not None:
