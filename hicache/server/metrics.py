@@ -23,6 +23,26 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# scalar counters: (metric name, help, key in the engine stats' "cache" or "engine" dict)
+CACHE_COUNTERS = (
+    ("hicache_prompt_tokens", "Prompt tokens matched against the cache (per admission)", "prompt_tokens"),
+    ("hicache_recomputed_tokens", "Cached tokens recomputed because loading cost more", "recomputed_tokens"),
+    ("hicache_l3_load_failures", "L3 reads that missed or failed verification", "load_failures"),
+    ("hicache_l3_prefetched_pages", "L3 -> host reads started for queued requests", "prefetched_pages"),
+    ("hicache_deferred_backup_pages", "New GPU pages whose write-through copy to host waited for memory pressure "
+     "or idle", "deferred_pages"),
+    ("hicache_eviction_backup_pages", "GPU pages copied to host as they were evicted (the compute stream waits "
+     "for them)", "eviction_backups"),
+)
+ENGINE_COUNTERS = (
+    ("hicache_engine_steps", "Engine forward steps", "steps"),
+    ("hicache_engine_graph_steps", "Decode steps replayed from a CUDA graph", "graph_steps"),
+    ("hicache_engine_forward_seconds", "Seconds in forward passes and sampling", "forward_s"),
+    ("hicache_engine_schedule_seconds", "Seconds planning steps and committing their pages (scheduler and cache "
+     "controller)", "schedule_s"),
+    ("hicache_computed_prefill_tokens", "Prompt tokens computed (not served by cache)", "prefill_tokens"),
+    ("hicache_computed_decode_tokens", "Tokens decoded", "decode_tokens"),
+)
 
 
 def _pair_counter(name: str, doc: str, values: dict[str, int], pairs: tuple[tuple[str, str], ...]) -> Metric:
@@ -53,10 +73,6 @@ class CacheCollector:
         for tier in TIERS:
             hits.add_metric([tier], cache.get("hit_tokens", {}).get(tier, 0))
         yield hits
-        yield CounterMetricFamily("hicache_prompt_tokens", "Prompt tokens matched against the cache (per admission)",
-                                  value=cache.get("prompt_tokens", 0))
-        yield CounterMetricFamily("hicache_recomputed_tokens", "Cached tokens recomputed because loading cost more",
-                                  value=cache.get("recomputed_tokens", 0))
         yield _pair_counter("hicache_pages_promoted", "Pages copied to a faster tier",
                             cache.get("pages_promoted", {}), PROMOTIONS)
         yield _pair_counter("hicache_pages_demoted", "Pages copied to a slower tier", cache.get("pages_demoted", {}),
@@ -72,16 +88,8 @@ class CacheCollector:
         for reason, n in sorted(cache.get("drops", {}).items()):
             drops.add_metric([reason], n)
         yield drops
-        yield CounterMetricFamily("hicache_l3_load_failures", "L3 reads that missed or failed verification",
-                                  value=cache.get("load_failures", 0))
-        yield CounterMetricFamily("hicache_l3_prefetched_pages", "L3 -> host reads started for queued requests",
-                                  value=cache.get("prefetched_pages", 0))
-        yield CounterMetricFamily("hicache_deferred_backup_pages",
-                                  "New GPU pages whose write-through copy to host waited for memory pressure or idle",
-                                  value=cache.get("deferred_pages", 0))
-        yield CounterMetricFamily("hicache_eviction_backup_pages",
-                                  "GPU pages copied to host as they were evicted (the compute stream waits for them)",
-                                  value=cache.get("eviction_backups", 0))
+        for name, doc, key in CACHE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=cache.get(key, 0))
         yield from self._tiers(s.get("tiers", {}))
         yield from self._l3()
         yield from self._scheduler(s)
@@ -130,18 +138,8 @@ class CacheCollector:
         yield CounterMetricFamily("hicache_preemptions", "Requests preempted for GPU pages",
                                   value=s.get("preemptions", 0))
         engine = s.get("engine", {})
-        yield CounterMetricFamily("hicache_engine_steps", "Engine forward steps", value=engine.get("steps", 0))
-        yield CounterMetricFamily("hicache_engine_graph_steps", "Decode steps replayed from a CUDA graph",
-                                  value=engine.get("graph_steps", 0))
-        yield CounterMetricFamily("hicache_engine_forward_seconds", "Seconds in forward passes and sampling",
-                                  value=engine.get("forward_s", 0.0))
-        yield CounterMetricFamily("hicache_engine_schedule_seconds",
-                                  "Seconds planning steps and committing their pages (scheduler and cache controller)",
-                                  value=engine.get("schedule_s", 0.0))
-        yield CounterMetricFamily("hicache_computed_prefill_tokens", "Prompt tokens computed (not served by cache)",
-                                  value=engine.get("prefill_tokens", 0))
-        yield CounterMetricFamily("hicache_computed_decode_tokens", "Tokens decoded",
-                                  value=engine.get("decode_tokens", 0))
+        for name, doc, key in ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=engine.get(key, 0))
 
 
 class ServerMetrics:
