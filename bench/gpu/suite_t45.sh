@@ -8,6 +8,7 @@ set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp}
 DEFERS=${DEFERS:-0.25 1.0}
+PARTS=${PARTS:-mt nr}  # mt: target 4 only, nr: target 5 only
 B8="python3 -m hicache.cli bench multiturn --url \$URL --clients 32 --rounds 8 --request-length 1024 --output-length 8"
 mt() { bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3" "$B8 --json \$OUT/$1.json" 2>&1 | tail -6; }
 nr() {  # name port serve-flags clients in out
@@ -16,13 +17,15 @@ nr() {  # name port serve-flags clients in out
 }
 port=8100
 next() { port=$((port + 1)); }
+if [[ " $PARTS " == *" mt "* ]]; then
 mt mt8_gpu_only $port "--device-tokens 65536 --host-tokens 0 --no-l3"
 for d in $DEFERS; do
   next; mt "mt8_host_d$d" $port "--device-tokens 65536 --host-tokens 393216 --no-l3 --set cache.write_policy.defer_above_free=$d"
 done
+fi
 ON="--device-tokens 262144 --host-tokens 131072 --disk-tokens 196608 --l3-path /tmp/hicache-l3-nr"
 OFF="--device-tokens 262144 --host-tokens 0 --no-l3"
-for c in "2k 32 2048 256" "32k 8 32768 8"; do
+[[ " $PARTS " == *" nr "* ]] && for c in "2k 32 2048 256" "32k 8 32768 8"; do
   set -- $c
   next; nr "nr$1_off" $port "$OFF" "$2" "$3" "$4"
   for d in $DEFERS; do
