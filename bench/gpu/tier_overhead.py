@@ -121,15 +121,80 @@ def kernel_table(prof: Any, rows: int = 40) -> str:
     return averages.table(row_limit=rows)
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline(trace_path: Path) -> dict[str, float]:
+    """From a chrome trace: how long the GPU computed, copied host -> GPU and GPU -> host, how much of each copy
+    direction overlapped compute, and how long the GPU sat idle (milliseconds)."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    compute, h2d, d2h = [], [], []
+    for ev in events:
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        cat, name = ev.get("cat", ""), ev.get("name", "")
+        span = (float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))
+        if cat == "kernel":
+            compute.append(span)
+        elif cat == "gpu_memcpy" and "HtoD" in name:
+            h2d.append(span)
+        elif cat == "gpu_memcpy" and "DtoH" in name:
+            d2h.append(span)
+    compute, h2d, d2h = _union(compute), _union(h2d), _union(d2h)
+    every = _union(compute + h2d + d2h)
+    if not every:
+        return {}
+    ms = 1e-3
+    return {"span_ms": (every[-1][1] - every[0][0]) * ms, "kernels_ms": _length(compute) * ms,
+            "h2d_ms": _length(h2d) * ms, "h2d_hidden_ms": _intersect(h2d, compute) * ms,
+            "d2h_ms": _length(d2h) * ms, "d2h_hidden_ms": _intersect(d2h, compute) * ms,
+            "gpu_idle_ms": (every[-1][1] - every[0][0] - _length(every)) * ms}
+
+
 def profiled(path: Path | None, fn: Any, *args: Any) -> Any:
-    """fn(*args), under torch.profiler with its kernel table written to path (None: not profiled)."""
+    """fn(*args), under torch.profiler with its kernel table written to path (None: not profiled), and a GPU
+    timeline summary (`timeline`) in the result under "timeline"; the trace is kept beside it, gzipped."""
     if path is None:
         return fn(*args)
+    import gzip
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         result = fn(*args)
     path.write_text(kernel_table(prof))
+    trace = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    if isinstance(result, dict):
+        result["timeline"] = timeline(trace)
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
     return result
 
 
@@ -187,7 +252,8 @@ def multiturn(args: argparse.Namespace, model_pair: tuple[Any, Any]) -> dict[str
         seen: dict[str, int] = {}
         for r in range(args.rounds):
             batch = [h + [rng.randrange(100, vocab) for _ in range(1024 // k)] for h in history]
-            path = Path(args.out) / f"kernels_multiturn_{arm}_round{r}.txt" if r == args.profile_round else None
+            profile = str(r) in args.profile_round.split(",")
+            path = Path(args.out) / f"kernels_multiturn_{arm}_round{r}.txt" if profile else None
             res = profiled(path, run_batch, engine, batch, 8, f"r{r}")
             hits = engine.ctrl.stats.snapshot()["hit_tokens"]
             res["hits"] = {t: hits[t] - seen.get(t, 0) for t in hits}
@@ -195,7 +261,7 @@ def multiturn(args: argparse.Namespace, model_pair: tuple[Any, Any]) -> dict[str
             results.setdefault(arm, []).append(res)
             print(f"{arm} round {r}: wall {res['wall_s']:.3f} forward {res['forward_s']:.3f} "
                   f"schedule {res['schedule_s']:.3f} inputs {res['inputs_s']:.3f} ttft p50 {res['ttft_p50']:.3f} "
-                  f"hits {res['hits']}", flush=True)
+                  f"hits {res['hits']}" + (f" timeline {res['timeline']}" if "timeline" in res else ""), flush=True)
             # the answer joins the history (8 greedy tokens; random ids of the same length keep arms identical)
             history = [b + [rng.randrange(100, vocab) for _ in range(8)] for b in batch]
         dispose(engine)
@@ -218,7 +284,7 @@ def main() -> None:
     ap.add_argument("--model", default="random:llama-3.1-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--scale", type=int, default=1, help="divide lengths and pool sizes (a CPU smoke run: 64)")
-    ap.add_argument("--profile-round", type=int, default=-1)
+    ap.add_argument("--profile-round", default="", help="comma list of rounds to profile (multiturn)")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.host_gib is None:

@@ -48,3 +48,36 @@ def test_big_random_presets_run_in_bf16(preset: str) -> None:
     for i in range(4):
         alone = model(make_batch([step[i]], PAGE_SIZE, "cuda"), kv, PAGE_SIZE)
         torch.testing.assert_close(together[i], alone[0], atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("cached", [0, 200])
+def test_bf16_prefill_attention_reads_grouped_kv_heads_in_place(cached: int) -> None:
+    """bf16 prefill attention hands flash the 8 KV heads unrepeated (enable_gqa), with and without a cached prefix
+    (bottom-right causal); it must agree with float32 attention over KV heads repeated to the 32 query heads."""
+    from hicache.engine.attention import _attend_prefill, native_gqa
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    heads, kv_heads, dim, page_size, new = 32, 8, 128, 16, 96
+    total = cached + new
+    pool = torch.randn(2, 64, page_size, kv_heads, dim, generator=gen, device="cuda")
+    pages = torch.randperm(64, generator=gen, device="cuda")[: -(-total // page_size)]
+    slots = (pages[:, None] * page_size + torch.arange(page_size, device="cuda")).reshape(-1)[:total]
+    q = torch.randn(new, heads, dim, generator=gen, device="cuda")
+    k, v = pool[0].view(-1, kv_heads, dim)[slots[cached:]], pool[1].view(-1, kv_heads, dim)[slots[cached:]]
+    positions = torch.arange(cached, total, device="cuda")
+    mask = None if cached == 0 else torch.arange(total, device="cuda")[None, :] <= positions[:, None]
+
+    def attend(dtype: torch.dtype) -> torch.Tensor:
+        flat = pool.to(dtype)
+        return _attend_prefill(q.to(dtype), k.to(dtype), v.to(dtype), flat[0].view(-1, kv_heads, dim),
+                               flat[1].view(-1, kv_heads, dim), 0, new, slots, mask)
+
+    assert native_gqa(q.bfloat16()) and not native_gqa(q)
+    # the float32 reference, by hand: each query head reads KV head h // 4, keys up to its own position
+    keys = pool[0].view(-1, kv_heads, dim)[slots].repeat_interleave(4, dim=1)  # [total, heads, dim]
+    values = pool[1].view(-1, kv_heads, dim)[slots].repeat_interleave(4, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / dim**0.5
+    visible = torch.arange(total, device="cuda")[None, :] <= positions[:, None]
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    torch.testing.assert_close(attend(torch.float32), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(attend(torch.bfloat16).float(), expected, atol=3e-2, rtol=3e-2)
