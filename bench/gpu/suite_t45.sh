@@ -9,10 +9,11 @@ cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp}
 DEFERS=${DEFERS:-0.25 1.0}
 PARTS=${PARTS:-mt nr}  # mt: target 4 only, nr: target 5 only
+EXTRA=${EXTRA:-}  # more serve flags for every run, e.g. "--set scheduler.chunk_tokens=4096"
 B8="python3 -m hicache.cli bench multiturn --url \$URL --clients 32 --rounds 8 --request-length 1024 --output-length 8"
-mt() { bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3" "$B8 --json \$OUT/$1.json" 2>&1 | tail -6; }
+mt() { bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3 $EXTRA" "$B8 --json \$OUT/$1.json" 2>&1 | tail -6; }
 nr() {  # name port serve-flags clients in out
-  bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3" \
+  bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3 $EXTRA" \
     "python3 -m hicache.cli bench multiturn --url \$URL --clients $4 --rounds 1 --request-length $5 --output-length $6 --seed 7 --json \$OUT/$1.json" 2>&1 | tail -4
 }
 port=8100
