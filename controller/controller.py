@@ -38,6 +38,11 @@ from tiers.copy import COMPLETED, TransferHandle
 
 logger = logging.getLogger(__name__)
 
+# Deferred write-through copies start at most about this many bytes per call (per engine step). Starting a whole
+# backlog at once (24 GB after a 32k-token burst on the H200) queued thousands of copy operations: the engine
+# thread then blocked in CUDA launches until the copy engines drained. 1 GiB is ~20 ms of PCIe 5 copying.
+FLUSH_SLICE_BYTES = 1 << 30
+
 def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
     """The (tier, pages) runs cut down to their first `pages` pages."""
     out = []
@@ -91,6 +96,7 @@ class TierController:
         self._prefetching = 0  # pages read by prefetch holds not yet released
         self._backups: dict[int, TransferHandle] = {}  # GPU page -> its latest GPU -> host copy (may be in flight)
         self._deferred: deque[TreeNode] = deque()  # committed nodes whose write-through copy waits (oldest first)
+        self.flush_slice_pages = max(1, FLUSH_SLICE_BYTES // max(1, self.page_bytes))  # see FLUSH_SLICE_BYTES
         self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
 
     # ------------------------------------------------------------------ matching and loading
@@ -385,7 +391,7 @@ class TierController:
         if pages is not None:
             self._private.update(pages)
             if self._deferred and not self._deferring():
-                self.flush_backups()
+                self.flush_backups(self.flush_slice_pages)
         return pages
 
     def free_device(self, pages: Sequence[int]) -> None:
@@ -486,25 +492,29 @@ class TierController:
             self._deferred.extend(nodes)
             self.stats.deferred_pages += sum(n.num_pages for n in nodes)
             return
-        self.flush_backups()
+        self.flush_backups(self.flush_slice_pages)
         for node in nodes:
             self._backup_to_host(node)
 
     def idle(self) -> None:
-        """The engine has nothing to run: start the deferred write-through copies while they cost nothing."""
+        """The engine has nothing to run: start deferred write-through copies (a slice per call) while they cost
+        nothing."""
         if self._deferred:
-            self.flush_backups()
+            self.flush_backups(self.flush_slice_pages)
 
-    def flush_backups(self) -> int:
-        """Start every deferred write-through copy, oldest first; returns the pages copied.
+    def flush_backups(self, limit: int | None = None) -> int:
+        """Start deferred write-through copies, oldest first, until `limit` pages (whole nodes; None: all) have
+        started; returns the pages copied.
 
-        Called when free GPU pages fall to the policy's share, and by the engine when it idles (so a burst's KV
-        reaches host memory, and L3, once the burst is over). A queued node may have been split since (its
-        upper part is then an ancestor, which may still wait after the lower part was evicted), evicted, or copied
-        already. So each queued node's path is walked up to the first GPU node with a host copy.
+        Called with a slice (`flush_slice_pages`) on every GPU allocation and commit once free GPU pages fall to
+        the policy's share (new commits are then copied at once, so the backlog only shrinks), and by the engine
+        when it idles (so a burst's KV reaches host memory, and L3, once the burst is over); at shutdown with no
+        limit. A queued page evicted before its turn is copied on its way out. A queued node may have been split
+        since (its upper part is then an ancestor, which may still wait after the lower part was evicted),
+        evicted, or copied already. So each queued node's path is walked up to the first GPU node with a host copy.
         """
         copied = 0
-        while self._deferred:
+        while self._deferred and (limit is None or copied < limit):
             chain = []
             walk = self._deferred.popleft()
             while walk.parent is not None and (walk.loc[0] is None or walk.loc[1] is None):
