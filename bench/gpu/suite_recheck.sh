@@ -19,7 +19,7 @@ l3r l3r_overlap 8303 "$SMALL --l3-path /tmp/hicache-l3-r --load-mode auto --load
 rm -rf /tmp/hicache-l3-r
 timeout 100 python3 bench/prefill_bench.py --tokens 2048 8192 --json "$out/prefill.json" 2>&1 | tail -12
 for batch in 32 128; do
-  timeout 75 python3 bench/l3_bench.py --dir /tmp --page-bytes 8388608 --pages 256 --batch $batch --threads 8 \
+  timeout 120 python3 bench/l3_bench.py --dir /tmp --page-bytes 8388608 --pages 256 --batch $batch --threads 8 \
     --repeats 2 --backends posix kvikio --json "$out/l3_b$batch.json" 2>&1 | tail -9
 done
 rm -rf /tmp/hicache-l3-nr
