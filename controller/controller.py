@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 # thread then blocked in CUDA launches until the copy engines drained. 1 GiB is ~20 ms of PCIe 5 copying.
 FLUSH_SLICE_BYTES = 1 << 30
 
+
 def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
     """The (tier, pages) runs cut down to their first `pages` pages."""
     out = []

@@ -130,8 +130,8 @@ def plan_attention(
 
 def native_gqa(q: Tensor) -> bool:
     """Whether prefill SDPA gets the KV heads unrepeated (`enable_gqa`): CUDA half precision, where the flash
-    kernel serves grouped queries itself. Float32 on CUDA has no flash kernel (and the memory-efficient one no
-    GQA), so there the heads are repeated as on CPU."""
+    kernel serves grouped queries itself. Float32 on CUDA has no flash kernel, so there (as on CPU) the heads are
+    repeated rather than relying on which other kernel takes grouped heads."""
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
