@@ -38,9 +38,9 @@ from tiers.copy import COMPLETED, TransferHandle
 
 logger = logging.getLogger(__name__)
 
-# Deferred write-through copies start at most about this many bytes per call (per engine step). Starting a whole
-# backlog at once (24 GB after a 32k-token burst on the H200) queued thousands of copy operations: the engine
-# thread then blocked in CUDA launches until the copy engines drained. 1 GiB is ~20 ms of PCIe 5 copying.
+# A deferred write-through backlog starts at most about this many bytes per engine step (`begin_step`). Starting
+# a whole backlog at once (24 GB after a 32k-token burst on the H200) queued thousands of copy operations: the
+# engine thread then blocked in CUDA launches until the copy engines drained. 1 GiB is ~20 ms of PCIe 5 copying.
 FLUSH_SLICE_BYTES = 1 << 30
 
 
@@ -98,6 +98,7 @@ class TierController:
         self._backups: dict[int, TransferHandle] = {}  # GPU page -> its latest GPU -> host copy (may be in flight)
         self._deferred: deque[TreeNode] = deque()  # committed nodes whose write-through copy waits (oldest first)
         self.flush_slice_pages = max(1, FLUSH_SLICE_BYTES // max(1, self.page_bytes))  # see FLUSH_SLICE_BYTES
+        self._flush_budget = self.flush_slice_pages  # backlog pages this step may still start (begin_step renews)
         self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
 
     # ------------------------------------------------------------------ matching and loading
@@ -392,7 +393,7 @@ class TierController:
         if pages is not None:
             self._private.update(pages)
             if self._deferred and not self._deferring():
-                self.flush_backups(self.flush_slice_pages)
+                self._flush_slice()
         return pages
 
     def free_device(self, pages: Sequence[int]) -> None:
@@ -493,26 +494,34 @@ class TierController:
             self._deferred.extend(nodes)
             self.stats.deferred_pages += sum(n.num_pages for n in nodes)
             return
-        self.flush_backups(self.flush_slice_pages)
+        self._flush_slice()
         for node in nodes:
             self._backup_to_host(node)
 
+    def begin_step(self) -> None:
+        """The engine starts a step: renew the step's slice of the deferred backlog (`flush_slice_pages`)."""
+        self._flush_budget = self.flush_slice_pages
+
     def idle(self) -> None:
-        """The engine has nothing to run: start deferred write-through copies (a slice per call) while they cost
+        """The engine has nothing to run: start deferred write-through copies (this step's slice) while they cost
         nothing."""
-        if self._deferred:
-            self.flush_backups(self.flush_slice_pages)
+        self._flush_slice()
+
+    def _flush_slice(self) -> None:
+        """Start what is left of this step's slice of the deferred backlog."""
+        if self._deferred and self._flush_budget > 0:
+            self._flush_budget -= self.flush_backups(self._flush_budget)
 
     def flush_backups(self, limit: int | None = None) -> int:
         """Start deferred write-through copies, oldest first, until `limit` pages (whole nodes; None: all) have
         started; returns the pages copied.
 
-        Called with a slice (`flush_slice_pages`) on every GPU allocation and commit once free GPU pages fall to
-        the policy's share (new commits are then copied at once, so the backlog only shrinks), and by the engine
-        when it idles (so a burst's KV reaches host memory, and L3, once the burst is over); at shutdown with no
-        limit. A queued page evicted before its turn is copied on its way out. A queued node may have been split
-        since (its upper part is then an ancestor, which may still wait after the lower part was evicted),
-        evicted, or copied already. So each queued node's path is walked up to the first GPU node with a host copy.
+        Once free GPU pages fall to the policy's share, GPU allocations and commits start the step's slice
+        (`begin_step`; new commits are then copied at once, so the backlog only shrinks), and so does the engine
+        when it idles (so a burst's KV reaches host memory, and L3, once the burst is over); shutdown starts all.
+        A queued page evicted before its turn is copied on its way out. A queued node may have been split since
+        (its upper part is then an ancestor, which may still wait after the lower part was evicted), evicted, or
+        copied already. So each queued node's path is walked up to the first GPU node with a host copy.
         """
         copied = 0
         while self._deferred and (limit is None or copied < limit):

@@ -138,18 +138,29 @@ def test_deferred_write_through_copies_when_idle():
     h.check_all_bytes()
 
 
-def test_deferred_backlog_starts_a_slice_per_call():
-    """Once the pool fills, the backlog starts a slice (whole nodes) per allocation and per commit, oldest first,
-    while new commits are copied at once; idle steps drain the rest a slice at a time."""
+def test_deferred_backlog_starts_a_slice_per_step():
+    """Once the pool fills, the backlog starts one slice (whole nodes) per engine step, oldest first, while new
+    commits are copied at once; idle steps drain the rest a slice at a time."""
     h = Harness(device=16, host=32, disk=0, policy=DEFER)
     h.ctrl.flush_slice_pages = 2
     for base in (1, 2, 3):
+        h.ctrl.begin_step()
         h.run(seq(base, 2))
     assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 6
-    h.run(seq(4, 3))  # free falls to 7 of 16: seq 1 starts at allocation, seq 2 at commit, then seq 4 itself
-    backed = {base: h.ctrl.tree.match_prefix(seq(base, 2), touch=False).last_node.loc[1] is not None
-              for base in (1, 2, 3)}
-    assert backed == {1: True, 2: True, 3: False} and h.host.used_pages() == 7
+
+    def backed() -> dict[int, bool]:
+        tree = h.ctrl.tree
+        return {base: tree.match_prefix(seq(base, 2), touch=False).last_node.loc[1] is not None for base in (1, 2, 3)}
+
+    h.ctrl.begin_step()
+    h.run(seq(4, 3))  # free falls to 7 of 16: seq 1 starts at allocation (the step's slice); seq 4 is copied at once
+    assert backed() == {1: True, 2: False, 3: False} and h.host.used_pages() == 5
+    h.ctrl.idle()  # same step: its slice is spent
+    assert h.host.used_pages() == 5
+    h.ctrl.begin_step()
+    h.ctrl.idle()
+    assert backed() == {1: True, 2: True, 3: False} and h.host.used_pages() == 7
+    h.ctrl.begin_step()
     h.ctrl.idle()
     assert h.host.used_pages() == 9 and h.ctrl.flush_backups() == 0
     h.check_all_bytes()

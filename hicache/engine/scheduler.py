@@ -76,6 +76,7 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         """Poll I/O, admit, and plan this step: (request, new tokens) pairs, pages allocated."""
+        self.ctrl.begin_step()
         self.ctrl.poll()
         self.settle()
         self._admit()
