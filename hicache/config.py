@@ -89,7 +89,8 @@ class LoadPolicyConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
-    eviction_policy: Literal["lru", "lfu"] = "lru"
+    # lrfu: GPU and host rank pages by decayed frequency, the disk by recency (radix.policy); lru / lfu: all tiers
+    eviction_policy: Literal["lrfu", "lru", "lfu"] = "lrfu"
     device: TierSize = field(default_factory=lambda: TierSize(size_tokens=4096))
     host: TierSize = field(default_factory=lambda: TierSize(size_gib=1.0))
     l3: L3Config = field(default_factory=L3Config)

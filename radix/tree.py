@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radix.hashing import KEY_BYTES, page_keys
-from radix.policy import eviction_priority
+from radix.policy import DEFAULT_HALF_LIFE, eviction_priority, tier_policies
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
@@ -47,6 +47,7 @@ class TreeNode:
         "pin_ref",
         "last_access",
         "hit_count",
+        "frequency",
         "pending",
         "id",
     )
@@ -64,6 +65,7 @@ class TreeNode:
         self.pin_ref = 0  # host pins (L3 writes in flight), counted along the path
         self.last_access = 0
         self.hit_count = 0
+        self.frequency = 0.0  # references, decayed to last_access (the "lrfu" policy); see RadixTree.touch
         self.pending: Any = None  # transfer handle a reader must wait on before using device pages
         self.id = next(TreeNode._ids)
 
@@ -122,14 +124,20 @@ class RadixTree:
     chained page keys. `eviction_policy` names a priority function from `radix.policy`.
     """
 
-    def __init__(self, page_size: int, namespace: bytes = bytes(KEY_BYTES), eviction_policy: str = "lru"):
+    def __init__(self, page_size: int, namespace: bytes = bytes(KEY_BYTES), eviction_policy: str = "lru",
+                 half_life: float = DEFAULT_HALF_LIFE):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if len(namespace) != KEY_BYTES:
             raise ValueError(f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
         self.page_size = page_size
         self.namespace = namespace
-        self.priority: Callable[[TreeNode], Any] = eviction_priority(eviction_policy)
+        if half_life <= 0:
+            raise ValueError(f"half_life must be positive, got {half_life}")
+        self.half_life = float(half_life)
+        # per tier (device, host, disk); see radix.policy.tier_policies
+        self.priorities: list[Callable[[TreeNode], Any]] = [
+            eviction_priority(name, self.half_life) for name in tier_policies(eviction_policy)]
         self.root = TreeNode(None, (), [])
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
@@ -144,6 +152,15 @@ class RadixTree:
         """Advance and return the logical clock used for last-access times."""
         self._clock += 1
         return self._clock
+
+    def touch(self, node: TreeNode, now: int, reference: bool) -> None:
+        """Mark `node` accessed at `now`. A reference (a prefix hit, or the node's creation) also counts towards
+        its decayed frequency: the count halves every `half_life` ticks, so "lrfu" ranks a page by recency
+        and by how often it was used lately. A commit passing over an existing node refreshes its recency only
+        (under "lrfu" that leaves its rank as it was)."""
+        decay = 2.0 ** ((node.last_access - now) / self.half_life)
+        node.frequency = node.frequency * decay + (1.0 if reference else 0.0)
+        node.last_access = now
 
     def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
         """Longest cached page-aligned prefix of `tokens`.
@@ -176,7 +193,7 @@ class RadixTree:
         if touch and path:
             now = self.tick()
             for n in path:
-                n.last_access = now
+                self.touch(n, now, reference=True)
                 n.hit_count += 1
                 self._refresh(n)
         return self._result(path)
@@ -239,7 +256,7 @@ class RadixTree:
                 new_keys = list(keys[page:]) if keys is not None else page_keys(self.last_key(node), rest, ps)
                 child = TreeNode(node, rest, new_keys)
                 node.children[rest[:ps]] = child
-                child.last_access = now
+                self.touch(child, now, reference=True)
                 self._set_loc(child, ti, list(pages[page:]))
                 node = child
                 break
@@ -255,7 +272,7 @@ class RadixTree:
                 self._set_loc(child, ti, list(pages[page : page + k]))
             else:
                 duplicates.extend(pages[page : page + k])
-            child.last_access = now
+            self.touch(child, now, reference=False)
             self._refresh(child)
             node = child
             page += k
@@ -278,6 +295,7 @@ class RadixTree:
         mid.pin_ref = child.pin_ref
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
+        mid.frequency = child.frequency
         mid.pending = child.pending
         child.tokens = child.tokens[k * ps :]
         child.keys = child.keys[k:]
@@ -378,9 +396,10 @@ class RadixTree:
 
     def _push(self, ti: int, node: TreeNode) -> None:
         heap = self._heaps[ti]
-        heapq.heappush(heap, (self.priority(node), next(self._seq), node))
+        priority = self.priorities[ti]
+        heapq.heappush(heap, (priority(node), next(self._seq), node))
         if len(heap) > 4 * len(self._leaves[ti]) + 1024:
-            self._heaps[ti] = [(self.priority(n), next(self._seq), n) for n in self._leaves[ti]]
+            self._heaps[ti] = [(priority(n), next(self._seq), n) for n in self._leaves[ti]]
             heapq.heapify(self._heaps[ti])
 
     def _refresh(self, node: TreeNode) -> None:
@@ -400,7 +419,7 @@ class RadixTree:
         found = None
         while heap:
             prio, _, node = heapq.heappop(heap)
-            if node not in leaves or prio != self.priority(node) or self._held(node, ti):
+            if node not in leaves or prio != self.priorities[ti](node) or self._held(node, ti):
                 continue  # stale entry; locked and pinned nodes are pushed again on unlock / unpin
             if skip is not None and skip(node):
                 passed.append(node)
@@ -415,7 +434,7 @@ class RadixTree:
     def evictable_leaves(self, tier: str) -> list[TreeNode]:
         """All unlocked leaves of `tier`, lowest priority first."""
         ti = _TIER_INDEX[tier]
-        return sorted((n for n in self._leaves[ti] if not self._held(n, ti)), key=self.priority)
+        return sorted((n for n in self._leaves[ti] if not self._held(n, ti)), key=self.priorities[ti])
 
     @staticmethod
     def _held(node: TreeNode, ti: int) -> bool:

@@ -203,3 +203,37 @@ def test_lfu_prefers_rarely_hit():
         tree.match_prefix([1])
     tree.match_prefix([2])  # most recent but hit once
     assert tree.pop_evictable(DEVICE) is tree.root.children[(2,)]
+
+
+def test_lrfu_keeps_recently_frequent_pages_until_their_count_decays():
+    tree = RadixTree(1, eviction_policy="lrfu", half_life=2)
+    tree.insert([1], [0])
+    tree.insert([2], [1])
+    for _ in range(3):
+        tree.match_prefix([1])  # four references (creation + 3 hits) within a few ticks
+    tree.insert([3], [2])  # newest, referenced once
+    order = [n.tokens for n in tree.evictable_leaves(DEVICE)]
+    assert order == [(2,), (3,), (1,)]  # LRU would give [2, 1, 3]
+    for t in range(10, 20):  # 10 more ticks: node 1's four references now weigh less than one fresh one
+        tree.insert([t], [t])
+    tree.insert([4], [4])
+    order = [n.tokens for n in tree.evictable_leaves(DEVICE)]
+    assert order.index((1,)) < order.index((4,))
+    assert tree.pop_evictable(DEVICE).tokens == (2,)
+
+
+def test_lrfu_ranks_the_disk_by_recency():
+    tree = RadixTree(1, eviction_policy="lrfu", half_life=64)
+    tree.insert([1], [b"a" * 16], tier=DISK)
+    for _ in range(3):
+        tree.match_prefix([1])
+    tree.insert([2], [b"b" * 16], tier=DISK)
+    assert tree.pop_evictable(DISK).tokens == (1,)  # least recent, however often it was hit
+    tree.insert([1], [0])  # the same node on the GPU: there its hits count
+    tree.insert([2], [1])
+    assert tree.pop_evictable(DEVICE).tokens == (2,)
+
+
+def test_lrfu_rejects_a_bad_half_life():
+    with pytest.raises(ValueError, match="half_life"):
+        RadixTree(4, eviction_policy="lrfu", half_life=0)

@@ -159,3 +159,30 @@ def test_disk_without_host_is_refused() -> None:
         Replayer(ReplaySetup(512, 10, 0, 100))
     with pytest.raises(ReplayError, match="GPU tier"):
         Replayer(ReplaySetup(512, 0, 10, 0))
+
+
+def multi_turn_trace(conversations: int, rounds: int, blocks_per_round: int) -> list[list[int]]:
+    """Conversations taking turns in a fixed order; each turn resends its history plus new blocks."""
+    out = []
+    for r in range(rounds):
+        for c in range(conversations):
+            out.append([c * 1000 + i for i in range((r + 1) * blocks_per_round)])
+    return out
+
+
+def test_lrfu_keeps_conversations_that_lru_evicts_just_before_they_return() -> None:
+    """6 conversations of up to 12 blocks outgrow a 12 + 24 block memory: LRU evicts each one just before its next
+    turn; lrfu keeps a stable share of them in memory. The disk (recency-ranked under both) serves the rest."""
+    trace = records(multi_turn_trace(6, 6, 2))
+    hits = {}
+    for policy in ("lru", "lrfu"):
+        rep = Replayer(ReplaySetup(4, 12, 24, 400, block_bytes=64, write_policy=WRITE_THROUGH, eviction_policy=policy))
+        totals = {t: 0 for t in TIERS}
+        for rec in trace:
+            for tier, n in rep.step(rec).hit_blocks.items():
+                totals[tier] += n
+            rep.check_integrity()
+        hits[policy] = totals
+    memory = {p: h["device"] + h["host"] for p, h in hits.items()}
+    assert memory["lrfu"] >= 2 * max(1, memory["lru"])
+    assert sum(hits["lrfu"].values()) == sum(hits["lru"].values())  # the disk holds it all: same total hits
