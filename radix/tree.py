@@ -121,7 +121,8 @@ class RadixTree:
     """Radix tree over token ids at page granularity with per-tier residency and eviction order.
 
     `page_size` tokens form a page; a trailing partial page is never cached. `namespace` seeds the
-    chained page keys. `eviction_policy` names a priority function from `radix.policy`.
+    chained page keys. `eviction_policy` names a policy of `radix.policy` (a priority function per tier,
+    `tier_policies`); `half_life` is the decay of its "lrfu" frequency, in ticks of the tree's clock.
     """
 
     def __init__(self, page_size: int, namespace: bytes = bytes(KEY_BYTES), eviction_policy: str = "lru",
