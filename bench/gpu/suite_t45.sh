@@ -3,7 +3,8 @@
 #   multi-turn 32 x 8 x 1024 with 8-token answers: GPU only, then the host tier once per write-through deferral
 #   setting in $DEFERS (cache.write_policy.defer_above_free; default "0.25 1.0");
 #   no reuse, 2k/256 x 32 and 32k/8 x 8: tiers off, then all on (16 GiB host + 24 GiB L3) per setting in $DEFERS.
-# The fourth session ran it with DEFERS=0.25 (about 5.5 minutes); both settings take about 9.
+# The fourth session ran it with DEFERS=0.25 (about 5.5 minutes); both settings take about 7.5 (fifth session).
+# POLICIES="lru lrfu" adds an eviction-policy A/B to the multi-turn part (about 2.5 more minutes).
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp}
@@ -18,10 +19,15 @@ nr() {  # name port serve-flags clients in out
 }
 port=8100
 next() { port=$((port + 1)); }
+POLICIES=${POLICIES:-lrfu}  # eviction policies for target 4 (each: GPU only, then host per $DEFERS), e.g. "lru lrfu"
 if [[ " $PARTS " == *" mt "* ]]; then
-mt mt8_gpu_only $port "--device-tokens 65536 --host-tokens 0 --no-l3"
-for d in $DEFERS; do
-  next; mt "mt8_host_d$d" $port "--device-tokens 65536 --host-tokens 393216 --no-l3 --set cache.write_policy.defer_above_free=$d"
+for e in $POLICIES; do
+  ev="--set cache.eviction_policy=$e"
+  next; mt "mt8_gpu_only_$e" $port "--device-tokens 65536 --host-tokens 0 --no-l3 $ev"
+  for d in $DEFERS; do
+    next; mt "mt8_host_d${d}_$e" $port \
+      "--device-tokens 65536 --host-tokens 393216 --no-l3 --set cache.write_policy.defer_above_free=$d $ev"
+  done
 done
 fi
 ON="--device-tokens 262144 --host-tokens 131072 --disk-tokens 196608 --l3-path /tmp/hicache-l3-nr"
