@@ -284,7 +284,7 @@ class TierController:
                 return False
             node.pending = DiskLoad(host_pages, eta=self._disk_eta(n))
             self._loading[node.id] = node
-            self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
+            self.worker.submit_read(node, node.loc[2], self._host_pages(host_pages))
         self._private.difference_update(dev)
         self.tree.set_location(node, DEVICE, dev)
         return True
@@ -298,9 +298,11 @@ class TierController:
         for node in nodes:
             node.pending = transfer
 
-    def _host_page(self, page: int) -> Any:
+    def _host_pages(self, pages: Sequence[int]) -> list[Any]:
+        """The buffers the L3 store reads and writes for these host pages (the ids themselves for a pool
+        without bytes)."""
         view = getattr(self.host, "page_view", None)
-        return view(page) if view is not None else page
+        return [view(p) for p in pages] if view is not None else list(pages)
 
     def _disk_eta(self, pages: int) -> float:
         """When a read of `pages` submitted now should land: reads queue behind each other on the disk."""
@@ -347,7 +349,7 @@ class TierController:
                         break
                     node.pending = DiskLoad(host_pages, to_device=False, prefetch=True, eta=self._disk_eta(n))
                     self._loading[node.id] = node
-                    self.worker.submit_read(node, node.loc[2], [self._host_page(p) for p in host_pages])
+                    self.worker.submit_read(node, node.loc[2], self._host_pages(host_pages))
                     self.tree.pin(node)
                     self._prefetching += n
                     hold.started += n
@@ -590,9 +592,14 @@ class TierController:
         if not self._make_disk_room(n):
             self.stats.drops["disk_full"] += n
             return False
+        # a full queue refuses the write (below, too): found out here, before one page view (or, bouncing, one
+        # copy) per page is made for nothing. Under write-through the queue is full for most of a long burst.
+        if self.worker.queued_write_pages + n > self.worker.queue_pages:
+            self.stats.drops["l3_queue_full"] += n
+            return False
         if handle is not None and bounce:
             handle.wait()
-        pages = [self._host_page(p) for p in node.loc[1]]
+        pages = self._host_pages(node.loc[1])
         if bounce and pages and isinstance(pages[0], torch.Tensor):
             pages = [p.clone() for p in pages]
         before = handle.wait if handle is not None and not bounce else None
