@@ -32,8 +32,10 @@ done
 fi
 ON="--device-tokens 262144 --host-tokens 131072 --disk-tokens 196608 --l3-path /tmp/hicache-l3-nr"
 OFF="--device-tokens 262144 --host-tokens 0 --no-l3"
-[[ " $PARTS " == *" nr "* ]] && for c in "2k 32 2048 256" "32k 8 32768 8"; do
-  set -- $c
+NR_CASES=${NR_CASES:-2k 32k}  # target 5 cases to run
+declare -A NR=([2k]="2k 32 2048 256" [32k]="32k 8 32768 8")
+[[ " $PARTS " == *" nr "* ]] && for name in $NR_CASES; do
+  set -- ${NR[$name]}
   next; nr "nr$1_off" $port "$OFF" "$2" "$3" "$4"
   for d in $DEFERS; do
     rm -rf /tmp/hicache-l3-nr
