@@ -102,6 +102,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_running_requests: int = 64
     chunk_tokens: int = 2048  # prefill token budget per step (chunked prefill)
+    # a step takes another request's prefill only while it holds fewer prefill tokens than this (0: up to
+    # chunk_tokens). Short prompts then finish a few at a time, not all at the end of one big step
+    prefill_batch_tokens: int = 0
     max_context_tokens: int | None = None  # None: the model's maximum
     default_max_tokens: int = 256
 
@@ -233,6 +236,7 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     s = cfg.scheduler
     _positive(s.max_running_requests, "scheduler.max_running_requests", source)
     _positive(s.chunk_tokens, "scheduler.chunk_tokens", source)
+    _positive(s.prefill_batch_tokens, "scheduler.prefill_batch_tokens", source, allow_zero=True)
     _positive(s.max_context_tokens, "scheduler.max_context_tokens", source)
     _positive(s.default_max_tokens, "scheduler.default_max_tokens", source)
     if not 0 < cfg.server.port < 65536:

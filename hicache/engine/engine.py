@@ -50,7 +50,9 @@ class Engine:
         self.page_size = cache.layout.page_size
         self.device = model.device
         self.config = config
-        self.scheduler = Scheduler(self.ctrl, config.max_running_requests, config.chunk_tokens)
+        self.scheduler = Scheduler(
+            self.ctrl, config.max_running_requests, config.chunk_tokens, config.prefill_batch_tokens
+        )
         limit = model.config.max_position_embeddings
         self.max_context = min(config.max_context_tokens or limit, limit)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids)

@@ -4,7 +4,8 @@ Each step the scheduler (1) applies finished I/O (`poll`) and moves requests who
 reached the GPU from LOADING to RUNNING, (2) admits waiting requests while the prefill backlog is below
 one step's token budget, and starts L3 -> host prefetches for those still waiting (their disk pages
 travel while others compute, so at admission they load from host), and (3) plans the step: one token
-for every decoding request, then prefill chunks (oldest first) within `chunk_tokens`. New KV goes into
+for every decoding request, then prefill chunks (oldest first) within `chunk_tokens`, taking no further
+request once the step holds `batch_tokens` prefill tokens. New KV goes into
 private pages from `alloc_device`; when none are left the most recently admitted request is preempted
 (its full pages committed, so its prefix stays cached and a re-admission hits it). Full pages are
 committed as soon as they are computed.
@@ -35,11 +36,14 @@ DECODE_RESERVE_TOKENS = 256  # decode room counted at admission (longer outputs 
 class Scheduler:
     """Owns the request queues and every page a request holds; see the module doc."""
 
-    def __init__(self, controller: Any, max_running: int, chunk_tokens: int):
+    def __init__(self, controller: Any, max_running: int, chunk_tokens: int, batch_tokens: int = 0):
+        """batch_tokens: a step adds another request's prefill chunk only while its prefill tokens are fewer
+        (0: no limit below chunk_tokens); see `_plan`."""
         self.ctrl = controller
         self.page_size = controller.page_size
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
+        self.batch_tokens = batch_tokens or chunk_tokens
         self.waiting: list[Request] = []  # by arrival; preempted requests go back to their place
         self.loading: list[Request] = []
         self.running: list[Request] = []  # by admission order
@@ -206,20 +210,26 @@ class Scheduler:
                 continue
             if req.status is Status.RUNNING and len(req.token_ids) - req.computed == 1 and self._reserve(req, 1, plan):
                 plan[req] = 1
+        # prefill chunks, oldest first, within the step's budget. Once the step holds batch_tokens prefill
+        # tokens it takes no further request: a batch of short prompts all finishing at the end of one long step
+        # would give each the whole batch's time to first token, where a few per step finish them in turn at
+        # about the same GPU efficiency (a long prompt's chunk still fills the budget)
         budget = self.chunk_tokens - len(plan)
-        for req in list(self.running):  # prefill chunks within the budget, oldest first
+        prefill = 0
+        for req in list(self.running):
             if req.status is not Status.RUNNING or req in plan or req.awaiting_loads:  # (preempted: no ticket)
                 continue
             gap = req.ticket.gap
             remaining = (gap[1] * self.page_size if gap else len(req.token_ids)) - req.computed
             if remaining <= (0 if gap else 1):
                 continue
-            if budget <= 0:
+            if budget <= 0 or prefill >= self.batch_tokens:
                 break
             n = min(remaining, budget)
             if self._reserve(req, n, plan):
                 plan[req] = n
                 budget -= n
+                prefill += n
             elif req.status is Status.RUNNING:
                 break  # stalled for pages: newer requests would not get any either
         return list(plan.items())

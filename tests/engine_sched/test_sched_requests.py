@@ -189,3 +189,41 @@ def test_engine_thread_profile_is_written_at_shutdown(tiny, tmp_path):
     assert outs[-1].finished
     functions = {name for _, _, name in pstats.Stats(str(path)).stats}
     assert {"step", "schedule", "_forward"} <= functions
+
+
+def test_prefill_batch_tokens_finishes_short_prompts_in_turn(tiny):
+    """With prefill_batch_tokens 24, a step takes requests until it holds 24 prefill tokens: 20-token prompts go
+    two per step and get their first tokens in turn, where the plain 96-token budget takes all four in one step.
+    Outputs do not depend on the batching."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def first_token_steps(batch_tokens: int) -> tuple[dict[str, int], dict[str, list[int]], list[list[int]]]:
+        engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=1024, scheduler__chunk_tokens=96,
+                             scheduler__prefill_batch_tokens=batch_tokens)
+        for i in range(4):
+            engine.add_request(f"r{i}", prompt(i, 20), params)
+        prefills: list[list[int]] = []
+        real_plan = engine.scheduler._plan
+
+        def spy():  # record each step's prefill chunk sizes
+            result = real_plan()
+            prefills.append([n for _, n in result if n > 1])
+            return result
+
+        engine.scheduler._plan = spy
+        first, ids, step = {}, {}, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+                first.setdefault(out.request_id, step)
+            step += 1
+        assert_no_leaks(engine)
+        return first, ids, [p for p in prefills if p]
+
+    first, ids, prefills = first_token_steps(24)
+    assert prefills == [[20, 20], [20, 20]]  # the first request's 20 tokens are below 24: one more joins
+    assert [first[f"r{i}"] for i in range(4)] == [0, 0, 1, 1]
+    whole_first, whole_ids, whole_prefills = first_token_steps(0)
+    assert whole_prefills == [[20, 20, 20, 20]]
+    assert [whole_first[f"r{i}"] for i in range(4)] == [0, 0, 0, 0]
+    assert ids == whole_ids and all(len(v) == 3 for v in ids.values())
