@@ -21,10 +21,7 @@ import torch
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
 
-# per staging buffer; two of them. Each chunk costs ~20 launches and stream switches on the engine thread, so
-# a chunk holds 32 of Llama-3.1-8B's 8 MiB pages: the H200 multi-turn profile spent most of its scheduling
-# time launching 8-page chunks (bench/RESULTS.md, sixth session)
-STAGING_BYTES = 256 << 20
+STAGING_BYTES = 64 << 20  # per staging buffer; two of them (256 MiB measured no faster: bench/RESULTS.md)
 ZERO_COPY_MAX_PAGE_BYTES = 1 << 20  # below this page size the mapped-memory kernels win (bench/transfer_bench.py)
 
 
