@@ -589,13 +589,14 @@ class TierController:
         if self.l3 is None or node.loc[2] is not None or node.id in self._writing or node.loc[1] is None:
             return node.loc[2] is not None
         n = node.num_pages
-        if not self._make_disk_room(n):
-            self.stats.drops["disk_full"] += n
-            return False
-        # a full queue refuses the write (below, too): found out here, before one page view (or, bouncing, one
-        # copy) per page is made for nothing. Under write-through the queue is full for most of a long burst.
+        # a full queue refuses the write (below, too): found out first, before disk pages are evicted to make
+        # room for it and before one page view (or, bouncing, one copy) per page is made, all for nothing.
+        # Under write-through the queue is full for most of a long burst.
         if self.worker.queued_write_pages + n > self.worker.queue_pages:
             self.stats.drops["l3_queue_full"] += n
+            return False
+        if not self._make_disk_room(n):
+            self.stats.drops["disk_full"] += n
             return False
         if handle is not None and bounce:
             handle.wait()

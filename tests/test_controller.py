@@ -439,6 +439,32 @@ def test_queue_full_drops_demotions():
     ctrl.check_integrity()
 
 
+def test_refused_l3_write_evicts_nothing_from_the_disk():
+    """A write the full queue refuses must not first evict the disk's pages to make room for itself."""
+
+    class Busy(L3Worker):
+        full = False
+
+        @property
+        def queued_write_pages(self) -> int:
+            return self.queue_pages if self.full else super().queued_write_pages
+
+    dev = DevicePool(LAYOUT, 4, torch.float32, "cpu")
+    host = HostPool(LAYOUT, 8, torch.float32)
+    l3 = MemoryL3(2, LAYOUT.page_bytes)
+    worker = Busy(l3, synchronous=True)
+    ctrl = TierController(RadixTree(2), dev, host, l3, PageCopier(dev, host), WritePolicy(), None, worker)
+    for first in (1, 2):
+        t = ctrl.acquire(seq(first, 2), max_pages=2)
+        ctrl.commit(t, seq(first, 2), ctrl.alloc_device(2))
+        ctrl.release(t)
+        ctrl.poll()
+        worker.full = True  # the first write went to disk; the queue refuses the second
+    assert ctrl.stats.drops["l3_queue_full"] == 2 and ctrl.stats.evictions[DISK] == 0
+    assert ctrl.tree.pages_in == [4, 4, 2]  # the first request's pages are still on disk
+    ctrl.check_integrity()
+
+
 def test_cost_model_recomputes_slow_disk_pages():
     slow_disk = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", prefill_tokens_per_s=1e6,
                           host_to_device_bytes_per_s=1e12, disk_to_device_bytes_per_s=1.0)
