@@ -66,10 +66,16 @@ def plan_attention(
     page_tables: list[Tensor],
     page_size: int,
     decode_kernel: bool = False,
+    decode_rows: Tensor | None = None,
+    decode_lens: Tensor | None = None,
 ) -> AttentionPlan:
-    """Build the gather indices and masks for one forward step (decode page tables with `decode_kernel`)."""
+    """Build the gather indices and masks for one forward step (decode page tables with `decode_kernel`).
+
+    decode_rows / decode_lens: the decode sequences' token rows and seq_lens already on the device (see
+    `ForwardBatch`); made here from the lists when None.
+    """
     device = positions.device
-    decode_rows: list[int] = []
+    rows_list: list[int] = []
     decode_slots: list[Tensor] = []
     decode_tables: list[Tensor] = []
     prefill: list[tuple[int, int, Tensor, Tensor | None]] = []
@@ -82,13 +88,13 @@ def plan_attention(
             )
         end = start + new_len
         if new_len == 1 and decode_kernel:
-            decode_rows.append(start)
+            rows_list.append(start)
             decode_tables.append(page_table.to(device))
             start = end
             continue
         slots = slots_of(page_table.to(device), seq_len, page_size)
         if new_len == 1:
-            decode_rows.append(start)
+            rows_list.append(start)
             decode_slots.append(slots)
         elif seq_len == new_len:
             prefill.append((start, end, slots, None))  # no cached prefix: plain causal attention
@@ -100,15 +106,17 @@ def plan_attention(
         start = end
     if start != positions.numel():
         raise ValueError(f"new_lens sum to {start} but the batch has {positions.numel()} tokens")
-    rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+    if decode_rows is None or decode_lens is None:
+        decode_rows = torch.tensor(rows_list, dtype=torch.int64, device=device)
+        decode_lens = torch.tensor([n for n, new in zip(seq_lens, new_lens) if new == 1], dtype=torch.int64,
+                                   device=device)
+    elif decode_rows.numel() != len(rows_list) or decode_lens.numel() != len(rows_list):
+        raise ValueError(f"{decode_rows.numel()} decode rows and {decode_lens.numel()} lengths given for "
+                         f"{len(rows_list)} decode sequences")
     if decode_tables:
-        lens = [n for n, new in zip(seq_lens, new_lens) if new == 1]
-        kernel = DecodePlan(
-            page_table=pad_sequence(decode_tables, batch_first=True),
-            seq_lens=torch.tensor(lens, dtype=torch.int64, device=device),
-        )
+        kernel = DecodePlan(page_table=pad_sequence(decode_tables, batch_first=True), seq_lens=decode_lens)
         empty = torch.empty(0, 0, dtype=torch.int64, device=device)
-        return AttentionPlan(rows, empty, empty.bool()[:, None, None, :], prefill, kernel)
+        return AttentionPlan(decode_rows, empty, empty.bool()[:, None, None, :], prefill, kernel)
 
     lengths = [s.numel() for s in decode_slots]
     # a multiple of 16: CUDA memory-efficient SDPA needs 16-aligned mask rows (else it falls back to math)
@@ -118,10 +126,9 @@ def plan_attention(
     for i, slots in enumerate(decode_slots):
         slot_matrix[i, : slots.numel()] = slots
         slot_matrix[i, slots.numel() :] = slots[0]
-    lengths_tensor = torch.tensor(lengths, device=device, dtype=torch.int64)
-    mask = torch.arange(max_len, device=device)[None, :] < lengths_tensor[:, None]
+    mask = torch.arange(max_len, device=device)[None, :] < decode_lens[:, None]  # = lengths
     return AttentionPlan(
-        decode_rows=rows,
+        decode_rows=decode_rows,
         decode_slots=slot_matrix,
         decode_mask=mask[:, None, None, :],
         prefill=prefill,

@@ -179,11 +179,17 @@ class Engine:
                 [req.pages for req, _ in plan],
             )
         start_inputs = time.perf_counter()
-        # one int64 array [ids | positions | slots | page tables], sent to the device in one transfer
+        # one int64 array [ids | positions | slots | page tables | decode rows | decode lens | last rows], sent to
+        # the device in one transfer (on CUDA through HostStaging, which no page load in the copy engines delays)
         ids: list[int] = []
         positions, slots, tables = [], [], []
+        decode_rows, decode_lens, last_rows = [], [], []
         for req, n in plan:
             start = req.computed
+            if n == 1:
+                decode_rows.append(len(ids))
+                decode_lens.append(start + 1)
+            last_rows.append(len(ids) + n - 1)
             ids.extend(req.token_ids[start : start + n])
             table = np.asarray(req.pages[: -(-(start + n) // ps)], dtype=np.int64)
             pos = np.arange(start, start + n, dtype=np.int64)
@@ -191,12 +197,15 @@ class Engine:
             slots.append(table[pos // ps] * ps + pos % ps)  # flat slot of each new token
             tables.append(table)
         total = len(ids)
-        packed = np.concatenate([np.asarray(ids, dtype=np.int64), *positions, *slots, *tables])
+        extra = [np.asarray(v, dtype=np.int64) for v in (decode_rows, decode_lens, last_rows)]
+        packed = np.concatenate([np.asarray(ids, dtype=np.int64), *positions, *slots, *tables, *extra])
         flat = self.staging.upload(packed) if self.staging is not None else torch.from_numpy(packed).to(self.device)
         views, offset = [], 3 * total
         for table in tables:
             views.append(flat[offset : offset + len(table)])
             offset += len(table)
+        decode_rows_d, decode_lens_d, last_rows_d = (flat[o - len(v) : o] for o, v in
+                                                     zip(offset + np.cumsum([len(v) for v in extra]), extra))
         batch = ForwardBatch(
             input_ids=flat[:total],
             positions=flat[total : 2 * total],
@@ -204,6 +213,9 @@ class Engine:
             seq_lens=[req.computed + n for req, n in plan],
             new_lens=[n for _, n in plan],
             page_tables=views,
+            decode_rows=decode_rows_d,
+            decode_lens=decode_lens_d,
+            last_rows=last_rows_d,
         )
         self.counters["inputs_s"] += time.perf_counter() - start_inputs
         return self.model(batch, self.kv, ps)

@@ -143,6 +143,13 @@ class ForwardBatch:
     seq_lens: list[int]  # per sequence: total length after this step (cached + new)
     new_lens: list[int]  # per sequence: number of new tokens in this step
     page_tables: list[Tensor] = field(default_factory=list)  # per sequence: page ids, int64 on device
+    # Optional, int64 on device: the row of each decode sequence's (new_len 1) token, those sequences' seq_lens,
+    # and the row of each sequence's last new token. Built here from the lists when absent; the engine passes
+    # them in its one upload per step, since a separate small copy on CUDA waits behind the copy engine's queue
+    # of page loads (see hicache.engine.host_io) and blocks the host until they land.
+    decode_rows: Tensor | None = None
+    decode_lens: Tensor | None = None
+    last_rows: Tensor | None = None
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -411,10 +418,13 @@ class LlamaModel(nn.Module):
         self._check_pool(kv, page_size)
         plan = plan_attention(
             batch.positions, batch.seq_lens, batch.new_lens, batch.page_tables, page_size,
-            decode_kernel=self.uses_decode_kernel(page_size),
+            decode_kernel=self.uses_decode_kernel(page_size), decode_rows=batch.decode_rows,
+            decode_lens=batch.decode_lens,
         )
         x = self._layers(batch.input_ids, batch.positions, batch.out_slots, plan, kv)
         if not all_logits:
-            last_rows = torch.tensor(batch.new_lens, device=x.device).cumsum(0) - 1
+            last_rows = batch.last_rows
+            if last_rows is None:
+                last_rows = torch.tensor(batch.new_lens, device=x.device).cumsum(0) - 1
             x = x[last_rows]
         return self._logits(x)

@@ -143,3 +143,26 @@ def test_from_hf_config_reads_transformers_4_keys() -> None:
     )  # fmt: skip
     assert config.rope_theta == 500000.0 and config.rope_scaling["rope_type"] == "llama3"
     assert config.num_kv_heads == 2 and config.head_dim == 4 and config.eos_token_ids == (1, 2)
+
+
+def test_precomputed_decode_rows_and_last_rows_give_the_same_logits(tmp_path: Path) -> None:
+    """The engine passes the decode rows / lengths and last-token rows in its one upload per step; given, they must
+    give exactly what the model derives from the lists itself, and wrong-sized ones are refused."""
+    _, ours = hf_and_ours(tmp_path, "llama3")
+    gen = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (10, 4, 18)]
+    pages = torch.randperm(NUM_PAGES, generator=gen)
+    tables = [pages[0:8], pages[8:16], pages[16:24]]
+    kv = torch.zeros(ours.kv_pool_shape(NUM_PAGES, PAGE_SIZE))
+    ours(make_batch([(tokens[0][:9], 0, tables[0]), (tokens[1][:2], 0, tables[1]), (tokens[2][:17], 0, tables[2])],
+                    PAGE_SIZE), kv, PAGE_SIZE)
+    # a mixed step: sequences 0 and 2 decode (rows 0 and 3), sequence 1 prefills 2 tokens (rows 1-2)
+    step = [(tokens[0][9:10], 9, tables[0]), (tokens[1][2:4], 2, tables[1]), (tokens[2][17:18], 17, tables[2])]
+    derived = ours(make_batch(step, PAGE_SIZE), kv.clone(), PAGE_SIZE)
+    given = make_batch(step, PAGE_SIZE)
+    given.decode_rows, given.decode_lens, given.last_rows = torch.tensor([0, 3]), torch.tensor([10, 18]), \
+        torch.tensor([0, 2, 3])
+    assert torch.equal(ours(given, kv.clone(), PAGE_SIZE), derived)
+    given.decode_rows = torch.tensor([0])
+    with pytest.raises(ValueError, match="1 decode rows and 2 lengths given for 2 decode sequences"):
+        ours(given, kv.clone(), PAGE_SIZE)
