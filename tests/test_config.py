@@ -32,6 +32,7 @@ def test_defaults_and_shipped_configs_are_valid():
         ({"model": {"dtype": "int3"}}, "model.dtype"),
         ({"cache": {"l3": {"path": ""}}}, "cache.l3.path: must not be empty"),
         ({"scheduler": {"chunk_tokens": True}}, "expected an integer"),
+        ({"scheduler": {"prefill_batch_tokens": -1}}, "scheduler.prefill_batch_tokens: must be >= 0"),
         ({"cache": {"load_policy": {"overlap": "yes"}}}, "cache.load_policy.overlap"),
         ({"cache": {"load_policy": {"mode": "never", "overlap": True}}}, "overlap: needs mode auto"),
         (["a"], "top level must be a mapping"),
