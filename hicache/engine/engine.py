@@ -201,18 +201,17 @@ class Engine:
         packed = np.concatenate([np.asarray(ids, dtype=np.int64), *positions, *slots, *tables, *extra])
         flat = self.staging.upload(packed) if self.staging is not None else torch.from_numpy(packed).to(self.device)
         views, offset = [], 3 * total
-        for table in tables:
-            views.append(flat[offset : offset + len(table)])
-            offset += len(table)
-        decode_rows_d, decode_lens_d, last_rows_d = (flat[o - len(v) : o] for o, v in
-                                                     zip(offset + np.cumsum([len(v) for v in extra]), extra))
+        for part in (*tables, *extra):
+            views.append(flat[offset : offset + len(part)])
+            offset += len(part)
+        decode_rows_d, decode_lens_d, last_rows_d = views[len(tables) :]
         batch = ForwardBatch(
             input_ids=flat[:total],
             positions=flat[total : 2 * total],
             out_slots=flat[2 * total : 3 * total],
             seq_lens=[req.computed + n for req, n in plan],
             new_lens=[n for _, n in plan],
-            page_tables=views,
+            page_tables=views[: len(tables)],
             decode_rows=decode_rows_d,
             decode_lens=decode_lens_d,
             last_rows=last_rows_d,
