@@ -104,7 +104,8 @@ class SchedulerConfig:
     max_running_requests: int = 64
     chunk_tokens: int = 2048  # prefill token budget per step (chunked prefill)
     # a step takes another request's prefill only while it holds fewer prefill tokens than this (0: up to
-    # chunk_tokens). Short prompts then finish a few at a time, not all at the end of one big step
+    # chunk_tokens). Short prompts then finish a few at a time, not all at the end of one big step, which trades
+    # some throughput for their time to first token
     prefill_batch_tokens: int = 0
     max_context_tokens: int | None = None  # None: the model's maximum
     default_max_tokens: int = 256

@@ -211,9 +211,9 @@ class Scheduler:
             if req.status is Status.RUNNING and len(req.token_ids) - req.computed == 1 and self._reserve(req, 1, plan):
                 plan[req] = 1
         # prefill chunks, oldest first, within the step's budget. Once the step holds batch_tokens prefill
-        # tokens it takes no further request: a batch of short prompts all finishing at the end of one long step
-        # would give each the whole batch's time to first token, where a few per step finish them in turn at
-        # about the same GPU efficiency (a long prompt's chunk still fills the budget)
+        # tokens it takes no further request (a long prompt's chunk still fills the budget): a burst of short
+        # prompts then gets first tokens in turn rather than all at the end of one long step, for some throughput
+        # (on the H200 it did not pay on the multi-turn benchmark: bench/RESULTS.md, sixth session; off by default)
         budget = self.chunk_tokens - len(plan)
         prefill = 0
         for req in list(self.running):
