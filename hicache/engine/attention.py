@@ -23,6 +23,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.utils.rnn import pad_sequence
 
 from hicache.engine.decode_kernel import paged_decode_attention
+from hicache.engine.prefill_kernel import paged_prefix_attention
 
 # cuDNN's SDPA builds a new execution plan for every new shape (1 ms of host time per call, and decode
 # shapes change every step), so CUDA runs use flash / memory-efficient attention instead
@@ -38,6 +39,22 @@ class DecodePlan:
 
 
 @dataclass
+class PrefillSeq:
+    """One sequence's prefill chunk: rows start:end of the batch, the last end - start of its seq_len tokens.
+
+    With the prefix kernel (`hicache.engine.prefill_kernel`) a chunk over a cached prefix carries its page table
+    and is attended in place; otherwise `slots` (its keys' flat slots, gathered for SDPA) and, over a cached
+    prefix, the causal `mask` of the CPU path."""
+
+    start: int
+    end: int
+    seq_len: int
+    slots: Tensor | None = None
+    mask: Tensor | None = None
+    page_table: Tensor | None = None
+
+
+@dataclass
 class AttentionPlan:
     """Per-step indexing shared by all layers.
 
@@ -49,7 +66,7 @@ class AttentionPlan:
     decode_rows: Tensor  # [D] row of each decode sequence's token in the [T] new-token batch
     decode_slots: Tensor  # [D, max_len] flat KV slots of each decode sequence, padded (reference path)
     decode_mask: Tensor  # [D, 1, 1, max_len] True where the key is a real, visible token (reference path)
-    prefill: list[tuple[int, int, Tensor, Tensor | None]]  # (row start, row end, slots, mask or None)
+    prefill: list[PrefillSeq]
     kernel: DecodePlan | None = None  # the decode sequences' kernel inputs, when the kernel is used
 
 
@@ -68,8 +85,10 @@ def plan_attention(
     decode_kernel: bool = False,
     decode_rows: Tensor | None = None,
     decode_lens: Tensor | None = None,
+    prefill_kernel: bool = False,
 ) -> AttentionPlan:
-    """Build the gather indices and masks for one forward step (decode page tables with `decode_kernel`).
+    """Build the gather indices and masks for one forward step (decode page tables with `decode_kernel`,
+    page tables of chunks over a cached prefix with `prefill_kernel`).
 
     decode_rows / decode_lens: the decode sequences' token rows and seq_lens already on the device (see
     `ForwardBatch`); made here from the lists when None.
@@ -78,7 +97,7 @@ def plan_attention(
     rows_list: list[int] = []
     decode_slots: list[Tensor] = []
     decode_tables: list[Tensor] = []
-    prefill: list[tuple[int, int, Tensor, Tensor | None]] = []
+    prefill: list[PrefillSeq] = []
     start = 0
     for seq_len, new_len, page_table in zip(seq_lens, new_lens, page_tables):
         if new_len > seq_len or page_table.numel() * page_size < seq_len:
@@ -92,17 +111,21 @@ def plan_attention(
             decode_tables.append(page_table.to(device))
             start = end
             continue
+        if new_len > 1 and new_len < seq_len and prefill_kernel:
+            prefill.append(PrefillSeq(start, end, seq_len, page_table=page_table.to(device)))
+            start = end
+            continue
         slots = slots_of(page_table.to(device), seq_len, page_size)
         if new_len == 1:
             rows_list.append(start)
             decode_slots.append(slots)
         elif seq_len == new_len:
-            prefill.append((start, end, slots, None))  # no cached prefix: plain causal attention
+            prefill.append(PrefillSeq(start, end, seq_len, slots))  # no cached prefix: plain causal attention
         else:
             # new query at absolute position q sees keys [0, q]
             key_positions = torch.arange(seq_len, device=device)
             mask = key_positions[None, :] <= positions[start:end, None]
-            prefill.append((start, end, slots, mask))
+            prefill.append(PrefillSeq(start, end, seq_len, slots, mask))
         start = end
     if start != positions.numel():
         raise ValueError(f"new_lens sum to {start} but the batch has {positions.numel()} tokens")
@@ -162,7 +185,7 @@ def paged_attention(
     with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
         if not plan.decode_rows.numel() and len(plan.prefill) == 1:
             # the whole batch is one sequence's prefill: SDPA's output is the result, no copy into `out`
-            return _attend_prefill(q, k, v, k_pool, v_pool, *plan.prefill[0])
+            return _attend_prefill(q, k, v, kv_layer, k_pool, v_pool, plan.prefill[0])
         out = torch.empty_like(q)
         _attend(q, k, v, kv_layer, k_pool, v_pool, plan, out)
     return out
@@ -188,15 +211,17 @@ def _attend(
         o_dec = F.scaled_dot_product_attention(q_dec, k_dec, v_dec, attn_mask=plan.decode_mask)
         out[plan.decode_rows] = o_dec.reshape(num_decode, num_heads, head_dim)
 
-    for start, end, slots, mask in plan.prefill:
-        out[start:end] = _attend_prefill(q, k, v, k_pool, v_pool, start, end, slots, mask)
+    for seq in plan.prefill:
+        out[seq.start : seq.end] = _attend_prefill(q, k, v, kv_layer, k_pool, v_pool, seq)
 
 
 def _attend_prefill(
-    q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, start: int, end: int, slots: Tensor,
-    mask: Tensor | None,
+    q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, k_pool: Tensor, v_pool: Tensor, seq: PrefillSeq
 ) -> Tensor:
     """Attention output [end - start, num_heads, head_dim] of one sequence's new tokens (rows start:end)."""
+    start, end, slots, mask = seq.start, seq.end, seq.slots, seq.mask
+    if seq.page_table is not None:  # over a cached prefix, keys read in place by the Triton kernel
+        return paged_prefix_attention(q[start:end], kv_layer[0], kv_layer[1], seq.page_table, seq.seq_len)
     group = q.shape[1] // k.shape[1]
     # SDPA's fused (flash / memory-efficient) kernels need 4-D [batch, heads, len, head_dim] inputs
     q_seq = q[start:end].transpose(0, 1).unsqueeze(0)
@@ -215,7 +240,7 @@ def _attend_prefill(
     if mask is None:
         o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, is_causal=True, enable_gqa=gqa)
     elif q.is_cuda:  # queries are the last new_len positions: causal aligned to the bottom right
-        bias = causal_lower_right(end - start, slots.numel())
+        bias = causal_lower_right(end - start, seq.seq_len)
         o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=bias, enable_gqa=gqa)
     else:
         o_seq = F.scaled_dot_product_attention(q_seq, k_seq, v_seq, attn_mask=mask)

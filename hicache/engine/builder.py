@@ -83,5 +83,6 @@ def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrat
         speed = calibrate_prefill(model, cfg.cache.page_size)
         logger.info("calibrated prefill speed: %.0f tokens/s", speed)
     model.decode_kernel = cfg.model.decode_kernel
+    model.prefill_kernel = cfg.model.prefill_attention == "triton"
     cache = build_cache(cfg, layout, dtype_name, device, namespace, prefill_tokens_per_s=speed)
     return Engine(model, tokenizer, cache, cfg.scheduler, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch)

@@ -333,6 +333,7 @@ class LlamaModel(nn.Module):
         )
         self._inv_freq = rope_inv_freq(config)  # plain CPU tensor (not a buffer): survives meta construction
         self.decode_kernel = True  # use the Triton paged decode kernel where it runs (False: the reference)
+        self.prefill_kernel = False  # chunks over a cached prefix: the Triton prefix kernel where it runs
 
     @property
     def dtype(self) -> torch.dtype:
@@ -374,6 +375,10 @@ class LlamaModel(nn.Module):
     def uses_decode_kernel(self, page_size: int) -> bool:
         """Whether decode tokens go through the paged Triton kernel (else gather + SDPA)."""
         return self.decode_kernel and kernel_supported(self.device, page_size, self.config.head_dim)
+
+    def uses_prefill_kernel(self, page_size: int) -> bool:
+        """Whether prefill chunks over a cached prefix go through the paged Triton kernel (else gather + SDPA)."""
+        return self.prefill_kernel and kernel_supported(self.device, page_size, self.config.head_dim)
 
     def _check_pool(self, kv: Tensor, page_size: int) -> None:
         expected = self.config.num_layers, 2
@@ -419,7 +424,7 @@ class LlamaModel(nn.Module):
         plan = plan_attention(
             batch.positions, batch.seq_lens, batch.new_lens, batch.page_tables, page_size,
             decode_kernel=self.uses_decode_kernel(page_size), decode_rows=batch.decode_rows,
-            decode_lens=batch.decode_lens,
+            decode_lens=batch.decode_lens, prefill_kernel=self.uses_prefill_kernel(page_size),
         )
         x = self._layers(batch.input_ids, batch.positions, batch.out_slots, plan, kv)
         if not all_logits:

@@ -54,7 +54,7 @@ def test_big_random_presets_run_in_bf16(preset: str) -> None:
 def test_bf16_prefill_attention_reads_grouped_kv_heads_in_place(cached: int) -> None:
     """bf16 prefill attention hands flash the 8 KV heads unrepeated (enable_gqa), with and without a cached prefix
     (bottom-right causal); it must agree with float32 attention over KV heads repeated to the 32 query heads."""
-    from hicache.engine.attention import _attend_prefill, native_gqa
+    from hicache.engine.attention import PrefillSeq, _attend_prefill, native_gqa
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     heads, kv_heads, dim, page_size, new = 32, 8, 128, 16, 96
@@ -69,8 +69,8 @@ def test_bf16_prefill_attention_reads_grouped_kv_heads_in_place(cached: int) -> 
 
     def attend(dtype: torch.dtype) -> torch.Tensor:
         flat = pool.to(dtype)
-        return _attend_prefill(q.to(dtype), k.to(dtype), v.to(dtype), flat[0].view(-1, kv_heads, dim),
-                               flat[1].view(-1, kv_heads, dim), 0, new, slots, mask)
+        return _attend_prefill(q.to(dtype), k.to(dtype), v.to(dtype), flat, flat[0].view(-1, kv_heads, dim),
+                               flat[1].view(-1, kv_heads, dim), PrefillSeq(0, new, total, slots, mask))
 
     assert native_gqa(q.bfloat16()) and not native_gqa(q)
     # the float32 reference, by hand: each query head reads KV head h // 4, keys up to its own position
@@ -81,3 +81,30 @@ def test_bf16_prefill_attention_reads_grouped_kv_heads_in_place(cached: int) -> 
     expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
     torch.testing.assert_close(attend(torch.float32), expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(attend(torch.bfloat16).float(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(("cached", "new"), [(300, 200), (64, 1000), (7000, 1024)])
+def test_bf16_prefix_kernel_matches_float32_attention(cached: int, new: int) -> None:
+    """The Triton prefix kernel in bf16, Llama-3.1-8B's head shapes and 64-token pages, against float32 attention
+    by hand: block edges, a prefix that is not page-aligned, and a multi-turn round's 1k tokens over 7k."""
+    pytest.importorskip("triton")
+    from hicache.engine.prefill_kernel import paged_prefix_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    heads, kv_heads, dim, page_size = 32, 8, 128, 64
+    total = cached + new
+    num_pages = -(-total // page_size) + 5
+    pool = torch.randn(2, num_pages, page_size, kv_heads, dim, generator=gen, device="cuda")
+    table = torch.randperm(num_pages, generator=gen, device="cuda")[: -(-total // page_size)]
+    slots = (table[:, None] * page_size + torch.arange(page_size, device="cuda")).reshape(-1)[:total]
+    q = torch.randn(new, heads, dim, generator=gen, device="cuda")
+    keys = pool[0].view(-1, kv_heads, dim)[slots].repeat_interleave(4, dim=1)
+    values = pool[1].view(-1, kv_heads, dim)[slots].repeat_interleave(4, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / dim**0.5
+    positions = torch.arange(cached, total, device="cuda")
+    visible = torch.arange(total, device="cuda")[None, :] <= positions[:, None]
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    half = pool.bfloat16()
+    got = paged_prefix_attention(q.bfloat16(), half[0], half[1], table, total)
+    assert got.dtype == torch.bfloat16 and got.shape == (new, heads, dim)
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)

@@ -1,0 +1,65 @@
+"""Run by test_prefill_kernel.py in a subprocess with TRITON_INTERPRET=1 (Triton's CPU interpreter must be
+chosen before Triton is imported): computes the prefix kernel's outputs and saves them for the test to compare.
+
+Usage: python prefill_kernel_check.py OUT.pt
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from hicache.engine import load_model  # noqa: E402
+from hicache.engine.model import ForwardBatch  # noqa: E402
+from hicache.engine.prefill_kernel import paged_prefix_attention  # noqa: E402
+
+# (seq_len, new tokens): a whole prompt, prefixes on and off page boundaries (46 - 16: the first query at position
+# 30, one short of its page's last), several 16-row blocks, one token
+CASES = [(5, 5), (40, 7), (48, 16), (46, 16), (100, 33), (129, 1), (192, 64), (17, 16)]
+
+
+def kernel_cases() -> dict:
+    """A random pool with a shuffled page table, GQA groups of 3; the kernel's output for each case."""
+    gen = torch.Generator().manual_seed(0)
+    pages, page_size, kv_heads, head_dim, heads = 16, 16, 2, 32, 6
+    kv = torch.randn(2, pages, page_size, kv_heads, head_dim, generator=gen)
+    table = torch.randperm(pages, generator=gen)
+    out = {"kv": kv, "table": table, "page_size": page_size, "cases": []}
+    for seq_len, new in CASES:
+        qkv = torch.randn(new, heads + 2 * kv_heads, head_dim, generator=gen)
+        q = qkv[:, :heads]  # strided rows, as the model passes a view of its fused qkv projection
+        got = paged_prefix_attention(q, kv[0], kv[1], table, seq_len)
+        out["cases"].append({"seq_len": seq_len, "q": q.clone(), "got": got})
+    return out
+
+
+def model_cases() -> dict:
+    """random:tiny: logits and KV of a chunk over a cached prefix, through the kernel and through SDPA."""
+    torch.manual_seed(0)
+    model, _ = load_model("random:tiny", torch.float32, torch.device("cpu"))
+    page_size = 16
+    prompt = torch.randint(0, 512, (70,))
+    table = torch.tensor([9, 2, 14, 5, 11])
+
+    def batch(start: int, end: int) -> ForwardBatch:
+        pos = torch.arange(start, end)
+        return ForwardBatch(prompt[start:end], pos, table[pos // page_size] * page_size + pos % page_size,
+                            [end], [end - start], [table])
+
+    kv = torch.zeros(model.kv_pool_shape(16, page_size))
+    model(batch(0, 37), kv, page_size)  # the cached prefix: 37 tokens, not page-aligned
+    results = {}
+    for kernel in (False, True):
+        model.prefill_kernel = kernel
+        pool = kv.clone()
+        results[kernel] = (model(batch(37, 70), pool, page_size, all_logits=True), pool)
+    return {"supported": model.uses_prefill_kernel(page_size), "sdpa": results[False][0],
+            "kernel": results[True][0], "sdpa_kv": results[False][1], "kernel_kv": results[True][1]}
+
+
+if __name__ == "__main__":
+    torch.save({"kernel": kernel_cases(), "model": model_cases()}, sys.argv[1])
