@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -9,6 +12,17 @@ from torch import Tensor
 
 from hicache.engine import load_model
 from hicache.engine.model import ForwardBatch, LlamaModel
+
+
+def run_interpreted(script: str, out: Path) -> dict:
+    """Run tests/engine/<script> OUT.pt under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
+    Triton is imported, hence a subprocess) and load the results it saved."""
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent / script), str(out)],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out)
 
 
 def slot(page_table: Tensor, position: int, page_size: int) -> int:

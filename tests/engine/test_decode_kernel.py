@@ -4,28 +4,16 @@ decode CUDA graphs against eager decode (CUDA only)."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
+from engine_helpers import run_interpreted
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("triton", reason="the decode kernel is written in Triton")
-    out = tmp_path_factory.mktemp("kernel") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "decode_kernel_check.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out)
+    return run_interpreted("decode_kernel_check.py", tmp_path_factory.mktemp("kernel") / "results.pt")
 
 
 def reference_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, page_size: int):

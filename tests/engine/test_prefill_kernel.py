@@ -3,28 +3,16 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
+from engine_helpers import run_interpreted
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("triton", reason="the prefix kernel is written in Triton")
-    out = tmp_path_factory.mktemp("kernel") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "prefill_kernel_check.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out)
+    return run_interpreted("prefill_kernel_check.py", tmp_path_factory.mktemp("kernel") / "results.pt")
 
 
 def causal_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq_len: int, page_size: int):
