@@ -37,10 +37,10 @@ class ModelConfig:
     # decode tokens attend through the paged Triton kernel where it runs (CUDA with Triton); false: the
     # PyTorch reference (gather + SDPA)
     decode_kernel: bool = True
-    # prefill chunks over a cached prefix: "sdpa" gathers the context and runs PyTorch's flash attention;
-    # "triton" reads it in place through the page table (hicache.engine.prefill_kernel; CUDA with Triton,
-    # else sdpa). Not yet measured against sdpa on a GPU, so off by default
-    prefill_attention: Literal["sdpa", "triton"] = "sdpa"
+    # prefill chunks over a cached prefix: "triton" reads the context in place through the page table
+    # (hicache.engine.prefill_kernel; CUDA with Triton, else sdpa), 0.50-0.62x of sdpa's time on the H200
+    # (bench/RESULTS.md); "sdpa" gathers the context and runs PyTorch's flash attention
+    prefill_attention: Literal["sdpa", "triton"] = "triton"
     # decode steps of up to this many sequences replay a CUDA graph captured at startup (CUDA, decode
     # kernel on); 0 disables. Capped at scheduler.max_running_requests
     cuda_graph_max_batch: int = 64

@@ -4,16 +4,18 @@ With a cached prefix, the SDPA path (`hicache.engine.attention`) first gathers t
 out of the paged pool into a contiguous copy, then runs flash attention with a bottom-right causal mask. On
 the H200 that flash kernel ran at ~206 TFLOPS for 1,024 new tokens over a 7k-token context (bench/RESULTS.md,
 sixth session), as long as all of the round's GEMMs. This kernel walks the page table instead: one program per
-(block of new tokens, query head), one page of keys per step of an online softmax, the causal mask applied only
-on the pages that reach the block's own positions.
+(block of new tokens, query head or whole GQA group), a block of keys gathered through the page table per step
+of an online softmax, the causal mask applied only on the steps that reach the block's own positions.
 
-Opt-in (`model.prefill_attention: triton`) until it is measured against SDPA on a GPU. Inputs are device
-tensors; nothing here syncs with the host. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
+On by default (`model.prefill_attention: triton`): on the H200 it takes 0.50-0.62x of the gather + SDPA path's
+time (bench/RESULTS.md, seventh session). Inputs are device tensors; nothing here syncs with the host. Runs on
+CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,60 +34,89 @@ if triton is not None:
         stride_kp, stride_ks, stride_kh,
         stride_ot, stride_oh,
         qk_scale,
-        GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-        PRECISION: tl.constexpr,
+        GROUP: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     ):
+        # a block's BLOCK_M rows are TOKENS new tokens x HEADS_PER_BLOCK query heads (1, or a whole GQA group,
+        # which then reads each K/V tile once for all of its heads)
+        TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_BLOCK
         block = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // GROUP
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)  # new tokens of this program
-        row_ok = rows < n_new
+        first_head = tl.program_id(1) * HEADS_PER_BLOCK
+        kv_head = first_head // GROUP
+        r = tl.arange(0, BLOCK_M)
+        tokens = block * TOKENS + r // HEADS_PER_BLOCK
+        heads = first_head + r % HEADS_PER_BLOCK
+        row_ok = (tokens < n_new) & (r < TOKENS * HEADS_PER_BLOCK)  # a group of 3 leaves spare rows
         dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=row_ok[:, None],
-                    other=0.0)
-        positions = seq_len - n_new + rows  # absolute position of each query (padding rows: >= seq_len)
-        first = seq_len - n_new + block * BLOCK_M
-        visible_end = tl.minimum(first + BLOCK_M, seq_len)  # no row sees a key at or past this
-        unmasked_end = (first + 1) // PAGE * PAGE  # whole pages every row of the block sees
-        slots = tl.arange(0, PAGE)
-        kv_offsets = slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+        q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        positions = seq_len - n_new + tokens  # absolute position of each query (padding rows: >= seq_len)
+        first = seq_len - n_new + block * TOKENS
+        visible_end = tl.minimum(first + TOKENS, seq_len)  # no row sees a key at or past this
+        unmasked_end = (first + 1) // BLOCK_N * BLOCK_N  # whole steps of keys every row of the block sees
+        offs_n = tl.arange(0, BLOCK_N)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for start in range(0, unmasked_end, PAGE):
-            page = tl.load(table_ptr + start // PAGE)
-            k = tl.load(k_ptr + page * stride_kp + kv_offsets)
+        for start in range(0, unmasked_end, BLOCK_N):
+            keys = start + offs_n
+            pages = tl.load(table_ptr + keys // PAGE)
+            kv_offsets = (pages * stride_kp + (keys % PAGE) * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :]
+            k = tl.load(k_ptr + kv_offsets)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + page * stride_kp + kv_offsets)
+            v = tl.load(v_ptr + kv_offsets)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        # the pages that reach the block's own positions: key j is visible to the query at position i iff j <= i.
-        # Every row sees key 0, so a row's running max is finite after its first page here or above
-        for start in range(unmasked_end, visible_end, PAGE):
-            page = tl.load(table_ptr + start // PAGE)
-            keys = start + slots
+        # the keys that reach the block's own positions: key j is visible to the query at position i iff j <= i.
+        # Every row sees key 0, so a row's running max is finite after its first step here or above
+        for start in range(unmasked_end, visible_end, BLOCK_N):
+            keys = start + offs_n
             in_seq = keys < seq_len
-            k = tl.load(k_ptr + page * stride_kp + kv_offsets, mask=in_seq[:, None], other=0.0)
+            pages = tl.load(table_ptr + keys // PAGE, mask=in_seq, other=0)
+            kv_offsets = (pages * stride_kp + (keys % PAGE) * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             scores = tl.where((keys[None, :] <= positions[:, None]) & in_seq[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + page * stride_kp + kv_offsets, mask=in_seq[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@dataclass(frozen=True)
+class PrefixKernelConfig:
+    """Launch shape: rows (new tokens x packed heads) and keys per program step, warps, pipeline stages.
+
+    pack_gqa puts a GQA group's query heads in one program's rows, so each K/V tile is read once per group
+    instead of once per query head.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    pack_gqa: bool = False
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# the H200 sweep's fastest over 1k-8k contexts (`bench/gpu/prefix_attention_bench.py --sweep`, bench/RESULTS.md):
+# 1,024 new tokens over 8k keys in 0.436 ms (335 TFLOPS, 0.62x of SDPA); GQA packing made no difference there
+CUDA_CONFIG = PrefixKernelConfig(block_m=64, block_n=64, pack_gqa=False, num_warps=4, num_stages=2)
+INTERPRETER_CONFIG = PrefixKernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
 def paged_prefix_attention(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_len: int, block_m: int | None = None,
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_len: int,
+    config: PrefixKernelConfig | None = None,
 ) -> Tensor:
     """Causal attention of one sequence's new tokens (the last q.shape[0] of its seq_len) over all its keys.
 
@@ -101,10 +132,14 @@ def paged_prefix_attention(
                          f"of {page_size}")
     if q.stride(-1) != 1 or k_pool.stride(-1) != 1 or k_pool.stride() != v_pool.stride():
         raise ValueError("paged_prefix_attention needs head_dim-contiguous q, k and v, k and v alike")
+    if config is None:
+        config = CUDA_CONFIG if q.is_cuda else INTERPRETER_CONFIG
+    group = num_heads // num_kv_heads
+    heads_per_block = group if config.pack_gqa else 1
+    if config.block_m < heads_per_block:
+        raise ValueError(f"block_m {config.block_m} cannot hold a GQA group of {group} query heads")
     out = torch.empty(n_new, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    if block_m is None:
-        block_m = 128 if q.is_cuda else 16
-    grid = (triton.cdiv(n_new, block_m), num_heads)
+    grid = (triton.cdiv(n_new, config.block_m // heads_per_block), num_heads // heads_per_block)
     _prefix_attention_kernel[grid](
         q, k_pool, v_pool, page_table, out,
         n_new, seq_len,
@@ -112,8 +147,9 @@ def paged_prefix_attention(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         out.stride(0), out.stride(1),
         (1.0 / math.sqrt(head_dim)) * math.log2(math.e),
-        GROUP=num_heads // num_kv_heads, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        GROUP=group, HEADS_PER_BLOCK=heads_per_block, PAGE=page_size, HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4, num_stages=3,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

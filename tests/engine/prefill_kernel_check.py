@@ -15,15 +15,26 @@ import torch  # noqa: E402
 
 from hicache.engine import load_model  # noqa: E402
 from hicache.engine.model import ForwardBatch  # noqa: E402
-from hicache.engine.prefill_kernel import paged_prefix_attention  # noqa: E402
+from hicache.engine.prefill_kernel import PrefixKernelConfig, paged_prefix_attention  # noqa: E402
 
 # (seq_len, new tokens): a whole prompt, prefixes on and off page boundaries (46 - 16: the first query at position
 # 30, one short of its page's last), several 16-row blocks, one token
 CASES = [(5, 5), (40, 7), (48, 16), (46, 16), (100, 33), (129, 1), (192, 64), (17, 16)]
+# launch shapes (pages of 16): a GQA group of 3 packed in 16 rows (5 tokens, one spare row) or a head per
+# program; one page, two pages or half a page of keys per step
+CONFIGS = {
+    "packed, a page a step": PrefixKernelConfig(block_m=16, block_n=16, pack_gqa=True, num_warps=4, num_stages=1),
+    "a head each, a page a step": PrefixKernelConfig(block_m=16, block_n=16, pack_gqa=False, num_warps=4,
+                                                     num_stages=1),
+    "packed, two pages a step": PrefixKernelConfig(block_m=32, block_n=32, pack_gqa=True, num_warps=4,
+                                                   num_stages=1),
+    "a head each, half a page a step": PrefixKernelConfig(block_m=16, block_n=8, pack_gqa=False, num_warps=4,
+                                                          num_stages=1),
+}
 
 
 def kernel_cases() -> dict:
-    """A random pool with a shuffled page table, GQA groups of 3; the kernel's output for each case."""
+    """A random pool with a shuffled page table, GQA groups of 3; the kernel's output per case and launch shape."""
     gen = torch.Generator().manual_seed(0)
     pages, page_size, kv_heads, head_dim, heads = 16, 16, 2, 32, 6
     kv = torch.randn(2, pages, page_size, kv_heads, head_dim, generator=gen)
@@ -32,7 +43,8 @@ def kernel_cases() -> dict:
     for seq_len, new in CASES:
         qkv = torch.randn(new, heads + 2 * kv_heads, head_dim, generator=gen)
         q = qkv[:, :heads]  # strided rows, as the model passes a view of its fused qkv projection
-        got = paged_prefix_attention(q, kv[0], kv[1], table, seq_len)
+        got = {name: paged_prefix_attention(q, kv[0], kv[1], table, seq_len, config)
+               for name, config in CONFIGS.items()}
         out["cases"].append({"seq_len": seq_len, "q": q.clone(), "got": got})
     return out
 

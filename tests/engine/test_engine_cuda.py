@@ -83,12 +83,16 @@ def test_bf16_prefill_attention_reads_grouped_kv_heads_in_place(cached: int) -> 
     torch.testing.assert_close(attend(torch.bfloat16).float(), expected, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(("cached", "new"), [(300, 200), (64, 1000), (7000, 1024)])
-def test_bf16_prefix_kernel_matches_float32_attention(cached: int, new: int) -> None:
+def test_bf16_prefix_kernel_matches_float32_attention(cached: int, new: int, packed: bool) -> None:
     """The Triton prefix kernel in bf16, Llama-3.1-8B's head shapes and 64-token pages, against float32 attention
-    by hand: block edges, a prefix that is not page-aligned, and a multi-turn round's 1k tokens over 7k."""
+    by hand: block edges, a prefix that is not page-aligned, and a multi-turn round's 1k tokens over 7k; with the
+    default launch shape and with a GQA group packed into 128 rows, two pages of keys a step."""
     pytest.importorskip("triton")
-    from hicache.engine.prefill_kernel import paged_prefix_attention
+    from hicache.engine.prefill_kernel import CUDA_CONFIG, PrefixKernelConfig, paged_prefix_attention
+
+    config = PrefixKernelConfig(128, 128, True, 8, 3) if packed else CUDA_CONFIG
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     heads, kv_heads, dim, page_size = 32, 8, 128, 64
@@ -105,6 +109,6 @@ def test_bf16_prefix_kernel_matches_float32_attention(cached: int, new: int) -> 
     visible = torch.arange(total, device="cuda")[None, :] <= positions[:, None]
     expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
     half = pool.bfloat16()
-    got = paged_prefix_attention(q.bfloat16(), half[0], half[1], table, total)
+    got = paged_prefix_attention(q.bfloat16(), half[0], half[1], table, total, config)
     assert got.dtype == torch.bfloat16 and got.shape == (new, heads, dim)
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
