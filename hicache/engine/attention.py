@@ -2,13 +2,13 @@
 
 The pool is one tensor ``kv[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``; a token at
 position p of a sequence lives in flat slot ``page_table[p // page_size] * page_size + p % page_size``.
-`AttentionPlan` is built once per forward step (it depends only on the batch, not the layer) and
-`paged_attention` runs one layer. Prefill chunks use torch SDPA; over a cached prefix, the Triton prefix kernel
-(`hicache.engine.prefill_kernel`, which reads K/V in place) where it runs and is enabled. Decode tokens use the Triton paged
-decode kernel (`hicache.engine.decode_kernel`) where it runs (CUDA, Triton installed, power-of-two page
-size and head_dim), reading K/V in place through a page table; elsewhere they use the reference: gather
-into a padded copy, then SDPA with a mask. A step where every sequence decodes can be described by a
-`DecodePlan` alone, made of device tensors only, which is what CUDA graphs capture.
+`AttentionPlan` is built once per forward step (it depends only on the batch, not the layer) and `paged_attention`
+runs one layer. Prefill chunks use torch SDPA; over a cached prefix, the Triton prefix kernel
+(`hicache.engine.prefill_kernel`, which reads K/V in place) where it runs and is enabled. Decode tokens use the
+Triton paged decode kernel (`hicache.engine.decode_kernel`) where it runs (CUDA, Triton installed, power-of-two
+page size and head_dim), reading K/V in place through a page table; elsewhere they use the reference: gather into a
+padded copy, then SDPA with a mask. A step where every sequence decodes can be described by a `DecodePlan` alone,
+made of device tensors only, which is what CUDA graphs capture.
 """
 
 from __future__ import annotations
