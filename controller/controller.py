@@ -379,6 +379,12 @@ class TierController:
                 node.pending.wait()
         return True
 
+    def launch_loads(self) -> int:
+        """Start the loads a `tiers.LaunchLater` copier holds (the engine calls this once its forward step is
+        queued); returns how many. No-op with any other copier: their loads started when asked for."""
+        launch = getattr(self.copier, "launch", None)
+        return launch() if launch is not None else 0
+
     def stream_wait(self, ticket: LoadTicket) -> None:
         """Make the current CUDA stream wait for the copies of the pages the caller may read now: the
         whole prefix, or only [0, k) while the ticket has a gap (no host blocking); no-op on CPU."""

@@ -113,6 +113,10 @@ class SchedulerConfig:
     prefill_batch_tokens: int = 0
     max_context_tokens: int | None = None  # None: the model's maximum
     default_max_tokens: int = 256
+    # start the host -> GPU page loads asked for while scheduling a step only once the step's forward is queued,
+    # so the engine thread's time starting them (most of its scheduling time with a host tier) overlaps the GPU's
+    # work instead of delaying it (tiers.copy.LaunchLater). Not yet measured on a GPU, so off by default
+    launch_loads_after_forward: bool = False
 
 
 @dataclass(frozen=True)

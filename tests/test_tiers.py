@@ -120,3 +120,59 @@ def test_cuda_copier_puts_nothing_on_the_compute_stream():
     assert not big.done(), "compute-stream work waited for the first load's copies"
     big.wait()
     assert float(marker.sum()) == 8.0
+
+
+def test_launch_later_holds_loads_until_launched(layout: KVLayout):
+    """LaunchLater: a load is not done, and its bytes are not moved, before launch(); launch() starts every held
+    load in order; waiting on a held load launches it; backups pass straight through."""
+    from tiers import LaunchLater
+
+    dev = DevicePool(layout, 8, torch.float32, "cpu")
+    host = HostPool(layout, 8, torch.float32, pin_memory=False)
+    copier = LaunchLater(PageCopier(dev, host))
+    data = torch.randn(4, *host.buffer.shape[1:])
+    host.write_pages([0, 1, 2, 3], data)
+    first = copier.to_device([0, 1], [5, 6])
+    second = copier.to_device([2, 3], [1, 0])
+    assert copier.held == 2 and not first.done() and not second.done()
+    assert torch.count_nonzero(dev.read_pages([5, 6, 1, 0])) == 0  # nothing moved yet
+    assert copier.launch() == 2
+    assert copier.held == 0 and first.done() and second.done()
+    assert torch.equal(dev.read_pages([5, 6, 1, 0]), data)
+    assert copier.launch() == 0 and (copier.launches, copier.launched_loads) == (1, 2)
+    third = copier.to_device([3], [7])
+    third.wait()  # waiting launches it
+    assert copier.held == 0 and third.done() and torch.equal(dev.read_pages([7]), data[3:4])
+    assert copier.to_host([5], [6]).done()  # not held
+    assert torch.equal(host.read_pages([6]), data[0:1])
+    with pytest.raises(ValueError, match="2 host pages vs 1 device pages"):
+        copier.to_device([0, 1], [2])  # refused when asked for, not at launch
+    assert copier.held == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_load_after_a_fence_does_not_wait_for_later_compute():
+    """A load started with `after=fence()` waits for the compute queued before the fence only: queued behind a
+    long matmul chain it still lands first, with the right bytes. Without a fence it waits for the chain."""
+    from tiers.cuda_copy import CudaPageCopier
+
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, itemsize=2)
+    dev = DevicePool(layout, 8, torch.bfloat16, "cuda")
+    host = HostPool(layout, 8, torch.bfloat16, pin_memory=True)
+    copier = CudaPageCopier(dev, host, mode="dma")
+    data = torch.randn(4, *host.buffer.shape[1:]).to(torch.bfloat16)
+    host.write_pages([0, 1, 2, 3], data)
+    fence = copier.fence()
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(40):  # float32 matmuls: hundreds of ms on the compute stream
+        x = x @ x / 64
+    chain = torch.cuda.Event()
+    chain.record()
+    fenced = copier.to_device([0, 1], [4, 5], after=fence)
+    fenced.wait()
+    assert not chain.query(), "the fenced load waited for compute queued after its fence"
+    unfenced = copier.to_device([2, 3], [6, 7])
+    unfenced.wait()
+    assert chain.query()
+    assert torch.equal(dev.read_pages([4, 5, 6, 7]).cpu(), data)

@@ -4,7 +4,7 @@ Pools only allocate, free, read and write pages; which page holds what is the ra
 """
 
 from tiers.base import KVLayout, PageAllocator, PagePool, PageStore
-from tiers.copy import CompletedTransfer, PageCopier, TransferHandle, make_copier
+from tiers.copy import CompletedTransfer, LaunchLater, PageCopier, TransferHandle, make_copier
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
 from tiers.metadata_pool import MetadataPool
@@ -14,6 +14,7 @@ __all__ = [
     "DevicePool",
     "HostPool",
     "KVLayout",
+    "LaunchLater",
     "MetadataPool",
     "PageAllocator",
     "PageCopier",

@@ -2,7 +2,8 @@
 
 `PageCopier.to_host` / `to_device` move a set of non-contiguous pages and return a TransferHandle.
 On CPU the copy is done when the call returns. On CUDA, `tiers.cuda_copy.CudaPageCopier` runs the
-copies on a dedicated stream and the handle wraps an event.
+copies on a dedicated stream and the handle wraps an event. `LaunchLater` wraps either: it queues loads
+and starts them when told to, once the engine has queued its forward step.
 """
 
 from __future__ import annotations
@@ -52,13 +53,90 @@ class PageCopier:
             self.host_pool.write_pages(host_pages, self.device_pool.read_pages(device_pages))
         return COMPLETED
 
-    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> TransferHandle:
-        """Copy host pages to GPU pages (pairwise)."""
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int], after: None = None) -> TransferHandle:
+        """Copy host pages to GPU pages (pairwise). `after` (a `fence()`) is for the CUDA copier; here there is
+        nothing in flight to wait for."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
         if host_pages:
             self.device_pool.write_pages(device_pages, self.host_pool.read_pages(host_pages))
         return COMPLETED
+
+    def fence(self) -> None:
+        """A mark of the compute work queued so far (`CudaPageCopier.fence`); nothing is queued on CPU."""
+        return None
+
+
+class HeldTransfer:
+    """A load that `LaunchLater` queued: not done before it is launched; waiting on it launches it."""
+
+    def __init__(self, owner: LaunchLater, host_pages: list[int], device_pages: list[int], fence: object):
+        self.owner = owner
+        self.host_pages = host_pages
+        self.device_pages = device_pages
+        self.fence = fence
+        self.transfer: TransferHandle | None = None
+
+    def done(self) -> bool:
+        return self.transfer is not None and self.transfer.done()
+
+    def wait(self) -> None:
+        if self.transfer is None:
+            self.owner.launch()
+        self.transfer.wait()
+
+    def stream_wait(self, stream: object = None) -> None:
+        """Make `stream` wait for the copy (CUDA), launching it first if it is still held."""
+        if self.transfer is None:
+            self.owner.launch()
+        wait = getattr(self.transfer, "stream_wait", None)
+        if wait is not None:
+            wait(stream)
+
+
+class LaunchLater:
+    """A copier whose loads (`to_device`) start at the next `launch()` rather than when they are asked for.
+
+    The engine asks for loads while it schedules a step, when the GPU has nothing queued, and calls `launch()`
+    once the step's forward is queued: the CPU time of starting the copies then overlaps the GPU's work instead of
+    delaying it. Each held load keeps a `fence()` of the compute work queued when it was asked for and waits for
+    that, not for the forward queued since (which does not touch its pages: they belong to requests still
+    loading). Backups (`to_host`) pass straight through: L3 writer threads wait on their handles.
+    Engine thread only.
+    """
+
+    def __init__(self, copier: PageCopier):
+        self.copier = copier
+        self._held: list[HeldTransfer] = []
+        self.launches = 0  # launch() calls that started at least one load
+        self.launched_loads = 0
+
+    def __getattr__(self, name: str) -> object:  # mode, staging, pools: the wrapped copier's
+        return getattr(self.copier, name)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> TransferHandle:
+        return self.copier.to_host(device_pages, host_pages)
+
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> HeldTransfer:
+        if len(device_pages) != len(host_pages):
+            raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
+        held = HeldTransfer(self, list(host_pages), list(device_pages), self.copier.fence())
+        self._held.append(held)
+        return held
+
+    def launch(self) -> int:
+        """Start every held load, in the order they were asked for; returns how many."""
+        held, self._held = self._held, []
+        for h in held:
+            h.transfer = self.copier.to_device(h.host_pages, h.device_pages, after=h.fence)
+        if held:
+            self.launches += 1
+            self.launched_loads += len(held)
+        return len(held)
 
 
 def make_copier(device_pool: DevicePool, host_pool: HostPool) -> PageCopier:

@@ -117,14 +117,29 @@ class CudaPageCopier:
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(s, min(n, s + self.chunk_pages)) for s in range(0, n, self.chunk_pages)]
 
-    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> CudaTransfer:
-        """Promote host pages into GPU pages; returns when the copies are queued."""
+    def fence(self) -> torch.cuda.Event:
+        """An event after the compute work queued so far, for a `to_device` started later (`after`)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def to_device(
+        self, host_pages: Sequence[int], device_pages: Sequence[int], after: torch.cuda.Event | None = None
+    ) -> CudaTransfer:
+        """Promote host pages into GPU pages; returns when the copies are queued.
+
+        The copies wait for the compute work queued before them (pages being overwritten may still be read by it),
+        or, given `after` (a `fence()`), only for the work queued before that fence."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
         kv, host = self.device_pool.kv, self.host_pool.buffer
-        compute = torch.cuda.current_stream()
-        self.copy_stream.wait_stream(compute)  # pages being overwritten may still be read by compute
-        self.shuffle_stream.wait_stream(compute)
+        if after is None:
+            compute = torch.cuda.current_stream()
+            self.copy_stream.wait_stream(compute)
+            self.shuffle_stream.wait_stream(compute)
+        else:
+            self.copy_stream.wait_event(after)
+            self.shuffle_stream.wait_event(after)
         dev_index = self._index(device_pages, self.copy_stream)  # the scatter waits for the copy stream's events
         host_index = self._index(host_pages, self.copy_stream) if self.host_alias is not None else None
         self._keep(dev_index, host_index)

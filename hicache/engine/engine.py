@@ -23,6 +23,7 @@ from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status, StepOutput
 from hicache.engine.sampling import make_generator, sample
 from hicache.engine.scheduler import Scheduler
+from tiers import LaunchLater
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class Engine:
             "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0, "graph_steps": 0,
             "schedule_s": 0.0, "inputs_s": 0.0,
         }
+        if config.launch_loads_after_forward and self.ctrl.copier is not None:
+            self.ctrl.copier = LaunchLater(self.ctrl.copier)  # after calibration, which timed the copier itself
+            logger.info("page loads start once each step's forward is queued (scheduler.launch_loads_after_forward)")
         self.staging = HostStaging(self.device) if self.device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         max_batch = min(cuda_graph_max_batch, config.max_running_requests)
@@ -136,6 +140,7 @@ class Engine:
         plan = self.scheduler.schedule()
         self.counters["schedule_s"] += time.perf_counter() - start
         if not plan:
+            self.ctrl.launch_loads()  # every admitted request may be waiting for its loads
             if not self.scheduler.has_work():
                 self.ctrl.idle()
             return outputs
@@ -145,6 +150,10 @@ class Engine:
                 req.needs_stream_wait = False
         start = time.perf_counter()
         logits = self._forward(plan)
+        launch = time.perf_counter()
+        self.ctrl.launch_loads()  # loads held while scheduling (launch_loads_after_forward) start behind the forward
+        self.counters["schedule_s"] += time.perf_counter() - launch
+        start += time.perf_counter() - launch  # counted as scheduling, not forward
         rows = [i for i, (req, n) in enumerate(plan) if req.computed + n == len(req.token_ids)]
         reqs = [plan[i][0] for i in rows]
         chosen = []

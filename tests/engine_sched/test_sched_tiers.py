@@ -10,6 +10,7 @@ import pytest
 from sched_helpers import make_engine, run_all, settle_l3
 
 from hicache.engine.params import SamplingParams
+from tiers import LaunchLater
 
 PAGE = 8
 A = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -62,6 +63,9 @@ def served(smollm, baseline, expect_tier: str, **tiers) -> None:
     else:
         assert cached[expect_tier] == full and out.usage.total_cached_tokens == full, cached
     assert ids == baseline[0]
+    if tiers.get("scheduler__launch_loads_after_forward"):  # the loads were held, and each step launched them
+        copier = engine.ctrl.copier
+        assert isinstance(copier, LaunchLater) and copier.launched_loads >= 1 and copier.held == 0
     engine.close()
 
 
@@ -72,13 +76,17 @@ def test_prefix_from_device(smollm, baseline):
     assert ids == baseline[0]
 
 
-def test_prefix_from_host(smollm, baseline):
-    served(smollm, baseline, "host", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=4096)
+@pytest.mark.parametrize("later", [False, True], ids=["loads-at-once", "loads-after-forward"])
+def test_prefix_from_host(smollm, baseline, later):
+    served(smollm, baseline, "host", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=4096,
+           scheduler__launch_loads_after_forward=later)
 
 
-def test_prefix_from_disk(smollm, baseline, tmp_path):
+@pytest.mark.parametrize("later", [False, True], ids=["loads-at-once", "loads-after-forward"])
+def test_prefix_from_disk(smollm, baseline, tmp_path, later):
     served(smollm, baseline, "disk", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=12 * PAGE,
-           cache__l3__path=str(tmp_path / "l3"), cache__l3__size_gib=None, cache__l3__size_tokens=4096)
+           cache__l3__path=str(tmp_path / "l3"), cache__l3__size_gib=None, cache__l3__size_tokens=4096,
+           scheduler__launch_loads_after_forward=later)
 
 
 def test_prefix_recomputed(smollm, baseline):
@@ -129,4 +137,33 @@ def test_write_through_at_commit_when_deferral_is_off(smollm, baseline):
     generate(engine, [A])
     assert engine.ctrl.host.used_pages() >= len(engine.tokenizer.encode(A)) // PAGE
     assert engine.ctrl.stats.deferred_pages == 0
+    engine.close()
+
+
+def test_held_loads_start_in_the_step_that_asks_for_them(smollm, baseline):
+    """launch_loads_after_forward: A's host load, asked for while the step also prefills another prompt, starts
+    right after that step's forward: no step ends with a load still held, and A's output is unchanged."""
+    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
+                         cache__host__size_tokens=4096, scheduler__launch_loads_after_forward=True)
+    generate(engine, [A])
+    for other in OTHERS[1:]:
+        generate(engine, [other])
+    copier = engine.ctrl.copier
+    before = copier.launched_loads
+    tok = engine.tokenizer
+    engine.add_request("other", tok.encode(OTHERS[0]), GREEDY)
+    engine.step()  # the other prompt is admitted and its prefill runs
+    engine.add_request("a", tok.encode(A), GREEDY)
+    results, steps_with_work = {}, 0
+    while engine.has_unfinished():
+        busy = bool(engine.scheduler.running)
+        for out in engine.step():
+            results[out.request_id] = results.get(out.request_id, []) + out.new_token_ids
+            if out.finished:
+                results[out.request_id + ".out"] = out
+        assert copier.held == 0, "a step ended with a load still held"
+        steps_with_work += busy
+    assert copier.launched_loads > before and steps_with_work >= 2
+    assert results["a.out"].usage.cached_tokens["host"] == len(tok.encode(A)) // PAGE * PAGE
+    assert results["a"] == baseline[0]
     engine.close()
