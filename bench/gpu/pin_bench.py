@@ -1,0 +1,90 @@
+"""How fast can the host pool's memory be pinned? Startup with a 48 GiB host tier spent 28-36 s pinning it on the
+H200 machine (bench/RESULTS.md, seventh session). This times, for --gib of memory:
+
+  torch        torch.empty(..., pin_memory=True), what `tiers.host_pool.HostPool` does now;
+  register-N   a pageable torch.empty, then cudaHostRegister of N equal slices from N threads at once;
+
+then checks that the registered memory copies to the GPU at pinned speed (a pageable buffer would be ~3x slower).
+
+Usage (H200): python3 bench/gpu/pin_bench.py [--gib 8] [--threads 1,4,8] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import torch
+
+
+def copy_gbps(buf: torch.Tensor, nbytes: int = 1 << 30) -> float:
+    """Host -> GPU bandwidth of the buffer's first nbytes, non_blocking (async only from pinned memory)."""
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = buf[:nbytes]
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def pin_torch(nbytes: int) -> dict:
+    start = time.perf_counter()
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    seconds = time.perf_counter() - start
+    row = {"method": "torch", "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9, "pinned": buf.is_pinned(),
+           "h2d_gbps": copy_gbps(buf)}
+    del buf
+    return row
+
+
+def pin_register(nbytes: int, threads: int) -> dict:
+    cudart = torch.cuda.cudart()
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    base, step = buf.data_ptr(), -(-nbytes // threads)
+    errors: list[object] = []
+
+    def register(offset: int) -> None:
+        size = min(step, nbytes - offset)
+        err = cudart.cudaHostRegister(base + offset, size, 0)
+        if int(err) != 0:
+            errors.append(err)
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=register, args=(i * step,)) for i in range(threads) if i * step < nbytes]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - start
+    row = {"method": f"register-{threads}", "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9,
+           "errors": [str(e) for e in errors], "pinned": buf.is_pinned(), "h2d_gbps": copy_gbps(buf)}
+    for i in range(len(workers)):
+        cudart.cudaHostUnregister(base + i * step)
+    del buf
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--threads", default="1,4,8")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    nbytes = int(args.gib * (1 << 30))
+    torch.cuda.init()
+    rows = [pin_torch(nbytes)] + [pin_register(nbytes, int(t)) for t in args.threads.split(",")]
+    for r in rows:
+        print(f"{r['method']:>12}: {r['seconds']:6.2f} s, {r['gb_per_s']:5.2f} GB/s pinned, is_pinned "
+              f"{r['pinned']}, H2D {r['h2d_gbps']:5.1f} GB/s {r.get('errors') or ''}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# scheduler.launch_loads_after_forward on the H200, in one device call (about 7 minutes):
+#   0. how fast 8 GiB of host memory pins, as the host pool does it and by parallel cudaHostRegister
+#      (bench/gpu/pin_bench.py: startup spent 28-36 s pinning a 48 GiB host pool);
+#   1. the copier's CUDA tests (the fence: a load started after a fence skips compute queued after it);
+#   2. a throwaway warm-up server run (the first run on a fresh machine is 13-16% slower: bench/RESULTS.md,
+#      seventh session);
+#   3. target 4's multi-turn run: GPU only, then the host tier with the setting off and on.
+# Results: $OUT/suite_launch_later.tgz.
+set -u
+cd "$(dirname "$0")/../.."
+out=${OUT:-/tmp}
+timeout 90 python3 bench/gpu/pin_bench.py --gib 8 --json "$out/pin.json" 2>&1 | tail -5
+timeout 120 python3 -m pytest -q tests/test_tiers.py 2>&1 | tail -3 | tee "$out/cuda_tests.txt"
+B="python3 -m hicache.cli bench multiturn --url \$URL --clients 32 --rounds 8 --request-length 1024 --output-length 8"
+timeout 90 bash bench/gpu/serve_and_bench.sh warmup 8501 "--device-tokens 65536 --host-tokens 0 --no-l3" \
+  "python3 -m hicache.cli bench multiturn --url \$URL --clients 16 --rounds 2 --request-length 1024 \
+   --output-length 8 --json \$OUT/warmup.json" 2>&1 | grep "=="
+run() {  # name port serve-flags (host runs spend ~35 s pinning 48 GiB before the port opens)
+  timeout 150 bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3" "$B --json \$OUT/$1.json" 2>&1 | grep -E "==|metrics"
+}
+run mt8_gpu_only 8502 "--device-tokens 65536 --host-tokens 0 --no-l3"
+run mt8_host_now 8503 "--device-tokens 65536 --host-tokens 393216 --no-l3"
+run mt8_host_later 8504 "--device-tokens 65536 --host-tokens 393216 --no-l3 \
+  --set scheduler.launch_loads_after_forward=true"
+(cd "$out" && tar czf suite_launch_later.tgz --remove-files $(ls | grep -v '\.tgz$')) && echo "results: $out/suite_launch_later.tgz"
