@@ -24,7 +24,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.nn.utils.rnn import pad_sequence
 
 from hicache.engine.decode_kernel import paged_decode_attention
-from hicache.engine.prefill_kernel import paged_prefix_attention
+from hicache.engine.prefill_kernel import PrefixKernelUnavailable, paged_prefix_attention
 
 # cuDNN's SDPA builds a new execution plan for every new shape (1 ms of host time per call, and decode
 # shapes change every step), so CUDA runs use flash / memory-efficient attention instead
@@ -216,13 +216,25 @@ def _attend(
         out[seq.start : seq.end] = _attend_prefill(q, k, v, kv_layer, k_pool, v_pool, seq)
 
 
+def _gathered(seq: PrefillSeq, page_size: int) -> PrefillSeq:
+    """A kernel-planned chunk (page table only) as the SDPA path needs it: its keys' slots and causal mask."""
+    device = seq.page_table.device
+    positions = torch.arange(seq.seq_len - (seq.end - seq.start), seq.seq_len, device=device)
+    mask = torch.arange(seq.seq_len, device=device)[None, :] <= positions[:, None]
+    return PrefillSeq(seq.start, seq.end, seq.seq_len, slots_of(seq.page_table, seq.seq_len, page_size), mask)
+
+
 def _attend_prefill(
     q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, k_pool: Tensor, v_pool: Tensor, seq: PrefillSeq
 ) -> Tensor:
     """Attention output [end - start, num_heads, head_dim] of one sequence's new tokens (rows start:end)."""
-    start, end, slots, mask = seq.start, seq.end, seq.slots, seq.mask
     if seq.page_table is not None:  # over a cached prefix, keys read in place by the Triton kernel
-        return paged_prefix_attention(q[start:end], kv_layer[0], kv_layer[1], seq.page_table, seq.seq_len)
+        try:
+            return paged_prefix_attention(q[seq.start : seq.end], kv_layer[0], kv_layer[1], seq.page_table,
+                                          seq.seq_len)
+        except PrefixKernelUnavailable:  # not on this GPU (logged once): gather the keys for SDPA instead
+            seq = _gathered(seq, kv_layer.shape[2])
+    start, end, slots, mask = seq.start, seq.end, seq.slots, seq.mask
     group = q.shape[1] // k.shape[1]
     # SDPA's fused (flash / memory-efficient) kernels need 4-D [batch, heads, len, head_dim] inputs
     q_seq = q[start:end].transpose(0, 1).unsqueeze(0)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from hicache.engine.attention import DecodePlan, paged_attention, plan_attention
 from hicache.engine.decode_kernel import kernel_supported
+from hicache.engine.prefill_kernel import prefix_kernel_available
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,8 @@ class LlamaModel(nn.Module):
 
     def uses_prefill_kernel(self, page_size: int) -> bool:
         """Whether prefill chunks over a cached prefix go through the paged Triton kernel (else gather + SDPA)."""
-        return self.prefill_kernel and kernel_supported(self.device, page_size, self.config.head_dim)
+        return (self.prefill_kernel and prefix_kernel_available()
+                and kernel_supported(self.device, page_size, self.config.head_dim))
 
     def _check_pool(self, kv: Tensor, page_size: int) -> None:
         expected = self.config.num_layers, 2

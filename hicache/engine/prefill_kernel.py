@@ -14,6 +14,7 @@ CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -22,8 +23,25 @@ from torch import Tensor
 
 from hicache.engine.decode_kernel import triton
 
+logger = logging.getLogger(__name__)
+
+
+class PrefixKernelUnavailable(RuntimeError):
+    """The kernel cannot run on this GPU: it did not compile, or its tiles do not fit (shared memory, registers)."""
+
+
+_unavailable: str | None = None  # why, once a launch failed; later calls do not try again
+_LAUNCH_ERRORS: tuple[type[BaseException], ...] = ()
+
 if triton is not None:
     import triton.language as tl
+    from triton.compiler import errors as _compiler_errors
+    from triton.runtime import errors as _runtime_errors
+
+    _LAUNCH_ERRORS = tuple(
+        cls for cls in (getattr(_runtime_errors, "OutOfResources", None), getattr(_runtime_errors, "PTXASError", None),
+                        getattr(_compiler_errors, "CompilationError", None)) if cls is not None
+    )
 
     # the lengths change with every call: not specialised on, so serving compiles the kernel once
     @triton.jit(do_not_specialize=["n_new", "seq_len", "stride_qt", "stride_ot"])
@@ -114,6 +132,11 @@ CUDA_CONFIG = PrefixKernelConfig(block_m=64, block_n=64, pack_gqa=False, num_war
 INTERPRETER_CONFIG = PrefixKernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
+def prefix_kernel_available() -> bool:
+    """False once a launch failed on this GPU (`PrefixKernelUnavailable`): callers then use SDPA."""
+    return _unavailable is None
+
+
 def paged_prefix_attention(
     q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_len: int,
     config: PrefixKernelConfig | None = None,
@@ -123,8 +146,12 @@ def paged_prefix_attention(
     q: [n_new, num_heads, head_dim] (rows may be strided, head_dim contiguous); k_pool, v_pool: [num_pages,
     page_size, num_kv_heads, head_dim], one layer of the pool, the new tokens' K/V already written; page_table:
     [>= ceil(seq_len / page_size)] integer page ids. Returns [n_new, num_heads, head_dim] in q's dtype.
-    Needs `hicache.engine.decode_kernel.kernel_supported` for the device, page size and head_dim.
+    Needs `hicache.engine.decode_kernel.kernel_supported` for the device, page size and head_dim. Raises
+    PrefixKernelUnavailable if the kernel does not compile or fit on this GPU (logged once; then every call).
     """
+    global _unavailable
+    if _unavailable is not None:
+        raise PrefixKernelUnavailable(_unavailable)
     n_new, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pool.shape
     if not 0 < n_new <= seq_len or page_table.numel() * page_size < seq_len:
@@ -140,16 +167,22 @@ def paged_prefix_attention(
         raise ValueError(f"block_m {config.block_m} cannot hold a GQA group of {group} query heads")
     out = torch.empty(n_new, num_heads, head_dim, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(n_new, config.block_m // heads_per_block), num_heads // heads_per_block)
-    _prefix_attention_kernel[grid](
-        q, k_pool, v_pool, page_table, out,
-        n_new, seq_len,
-        q.stride(0), q.stride(1),
-        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        out.stride(0), out.stride(1),
-        (1.0 / math.sqrt(head_dim)) * math.log2(math.e),
-        GROUP=group, HEADS_PER_BLOCK=heads_per_block, PAGE=page_size, HEAD_DIM=head_dim,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    try:
+        _prefix_attention_kernel[grid](
+            q, k_pool, v_pool, page_table, out,
+            n_new, seq_len,
+            q.stride(0), q.stride(1),
+            k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+            out.stride(0), out.stride(1),
+            (1.0 / math.sqrt(head_dim)) * math.log2(math.e),
+            GROUP=group, HEADS_PER_BLOCK=heads_per_block, PAGE=page_size, HEAD_DIM=head_dim,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    except _LAUNCH_ERRORS as e:  # e.g. a GPU with less shared memory than the tiles need (float32 doubles them)
+        _unavailable = f"{type(e).__name__}: {e}"
+        logger.warning("prefix attention kernel unavailable on %s with %s (%s); chunks over a cached prefix use "
+                       "SDPA from now on", q.device, q.dtype, _unavailable)
+        raise PrefixKernelUnavailable(_unavailable) from e
     return out

@@ -15,7 +15,11 @@ import torch  # noqa: E402
 
 from hicache.engine import load_model  # noqa: E402
 from hicache.engine.model import ForwardBatch  # noqa: E402
-from hicache.engine.prefill_kernel import PrefixKernelConfig, paged_prefix_attention  # noqa: E402
+from hicache.engine.prefill_kernel import (  # noqa: E402
+    PrefixKernelConfig,
+    paged_prefix_attention,
+    prefix_kernel_available,
+)
 
 # (seq_len, new tokens): a whole prompt, prefixes on and off page boundaries (46 - 16: the first query at position
 # 30, one short of its page's last), several 16-row blocks, one token
@@ -69,7 +73,8 @@ def model_cases() -> dict:
         model.prefill_kernel = kernel
         pool = kv.clone()
         results[kernel] = (model(batch(37, 70), pool, page_size, all_logits=True), pool)
-    return {"supported": model.uses_prefill_kernel(page_size), "sdpa": results[False][0],
+    return {"supported": model.uses_prefill_kernel(page_size), "ran": prefix_kernel_available(),
+            "sdpa": results[False][0],
             "kernel": results[True][0], "sdpa_kv": results[False][1], "kernel_kv": results[True][1]}
 
 

@@ -41,7 +41,7 @@ def test_kernel_matches_causal_attention_over_the_page_table(interpreted: dict) 
 
 def test_model_prefill_through_kernel_matches_sdpa(interpreted: dict) -> None:
     case = interpreted["model"]
-    assert case["supported"] is True
+    assert case["supported"] is True and case["ran"] is True  # the kernel ran: no fallback to SDPA
     torch.testing.assert_close(case["kernel"], case["sdpa"], atol=1e-4, rtol=1e-4)
     # the chunk's K/V went to the same slots (layer 2's depend on layer 1's attention: equal up to rounding)
     torch.testing.assert_close(case["kernel_kv"], case["sdpa_kv"], atol=1e-5, rtol=1e-5)
@@ -55,3 +55,48 @@ def test_refuses_a_page_table_too_short_for_the_sequence() -> None:
     pool = torch.zeros(4, 16, 2, 16)
     with pytest.raises(ValueError, match="8 new tokens of a 40-token sequence with 2 pages of 16"):
         paged_prefix_attention(torch.zeros(8, 4, 16), pool, pool, torch.tensor([0, 1]), 40)
+
+
+def test_a_kernel_that_does_not_fit_the_gpu_falls_back_to_sdpa_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch that fails for resources (a GPU with less shared memory) is logged once; that chunk and every later
+    one attend through gather + SDPA with the same result, and the model stops planning the kernel."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from hicache.engine import attention, load_model, prefill_kernel
+    from hicache.engine import model as model_module
+
+    monkeypatch.setattr(prefill_kernel, "_unavailable", None)
+    launches = []
+
+    class DoesNotFit:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(grid)
+                raise OutOfResources(262144, 232448, "shared memory")
+
+            return launch
+
+    monkeypatch.setattr(prefill_kernel, "_prefix_attention_kernel", DoesNotFit())
+    monkeypatch.setattr(model_module, "kernel_supported", lambda *args: True)
+    model, _ = load_model("random:tiny", torch.float32, torch.device("cpu"))
+    model.prefill_kernel = True
+    assert model.uses_prefill_kernel(16)
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.randn(2, 4, 16, 2, 16, generator=gen)  # [k/v, pages, page_size, kv_heads, head_dim]
+    table = torch.tensor([2, 0, 3])
+    q = torch.randn(8, 4, 16, generator=gen)  # the last 8 of a 40-token sequence
+    k_flat, v_flat = pool[0].view(-1, 2, 16), pool[1].view(-1, 2, 16)
+    slots = attention.slots_of(table, 40, 16)
+    k, v = k_flat[slots[32:]], v_flat[slots[32:]]
+    planned = attention.PrefillSeq(0, 8, 40, page_table=table)
+    got = attention._attend_prefill(q, k, v, pool, k_flat, v_flat, planned)
+    visible = torch.arange(40)[None, :] <= torch.arange(32, 40)[:, None]
+    gathered = attention.PrefillSeq(0, 8, 40, slots, visible)
+    torch.testing.assert_close(got, attention._attend_prefill(q, k, v, pool, k_flat, v_flat, gathered))
+    torch.testing.assert_close(got, causal_attention(q, pool, table, 40, 16), atol=1e-5, rtol=1e-5)
+    assert len(launches) == 1 and not prefill_kernel.prefix_kernel_available()
+    attention._attend_prefill(q, k, v, pool, k_flat, v_flat, planned)  # no second try
+    assert len(launches) == 1 and not model.uses_prefill_kernel(16)
+    with pytest.raises(prefill_kernel.PrefixKernelUnavailable, match="OutOfResources"):
+        prefill_kernel.paged_prefix_attention(q, pool[0], pool[1], table, 40)
