@@ -44,6 +44,10 @@ def sweep_configs() -> list[PrefixKernelConfig]:
             for warps in (4, 8):
                 for stages in (2, 3):
                     configs.append(PrefixKernelConfig(block_m, block_n, pack, warps, stages))
+        for block_m in (64, 128):  # keys and values as TMA boxes, a 64-token page a step
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    configs.append(PrefixKernelConfig(block_m, 64, pack, warps, stages, tma=True))
     return configs
 
 
@@ -90,7 +94,7 @@ def case(new: int, context: int, repeats: int, configs: list[PrefixKernelConfig]
 
 def describe(config: dict) -> str:
     return (f"{config['block_m']}x{config['block_n']} {'packed' if config['pack_gqa'] else 'per-head'} "
-            f"w{config['num_warps']} s{config['num_stages']}")
+            f"w{config['num_warps']} s{config['num_stages']}{' tma' if config['tma'] else ''}")
 
 
 def main() -> None:
@@ -104,13 +108,13 @@ def main() -> None:
     args = ap.parse_args()
     configs = sweep_configs() if args.sweep else [CUDA_CONFIG]
     rows = [row for c in args.contexts.split(",") for row in case(args.new, int(c), args.repeats, configs)]
-    print(f"{'new':>6} {'context':>8} {'launch shape':>24} {'sdpa ms':>8} {'kernel ms':>10} {'sdpa TF':>8} "
+    print(f"{'new':>6} {'context':>8} {'launch shape':>28} {'sdpa ms':>8} {'kernel ms':>10} {'sdpa TF':>8} "
           f"{'kernel TF':>10} {'kernel/sdpa':>12} {'max diff':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r['new']:>6} {r['context']:>8} {describe(r['config']):>24} failed: {r['error'][:60]}")
+            print(f"{r['new']:>6} {r['context']:>8} {describe(r['config']):>28} failed: {r['error'][:60]}")
             continue
-        print(f"{r['new']:>6} {r['context']:>8} {describe(r['config']):>24} {r['sdpa_ms']:>8.3f} "
+        print(f"{r['new']:>6} {r['context']:>8} {describe(r['config']):>28} {r['sdpa_ms']:>8.3f} "
               f"{r['kernel_ms']:>10.3f} {r['sdpa_tflops']:>8.0f} {r['kernel_tflops']:>10.0f} "
               f"{r['kernel_vs_sdpa_time']:>12.2f} {r['max_abs_diff']:>9.4f}")
     if args.sweep:  # the shape with the least total time over the contexts

@@ -379,7 +379,7 @@ class LlamaModel(nn.Module):
 
     def uses_prefill_kernel(self, page_size: int) -> bool:
         """Whether prefill chunks over a cached prefix go through the paged Triton kernel (else gather + SDPA)."""
-        return (self.prefill_kernel and prefix_kernel_available()
+        return (self.prefill_kernel and prefix_kernel_available(self.device)
                 and kernel_supported(self.device, page_size, self.config.head_dim))
 
     def _check_pool(self, kv: Tensor, page_size: int) -> None:

@@ -30,7 +30,7 @@ class PrefixKernelUnavailable(RuntimeError):
     """The kernel cannot run on this GPU: it did not compile, or its tiles do not fit (shared memory, registers)."""
 
 
-_unavailable: str | None = None  # why, once a launch failed; later calls do not try again
+_unavailable: dict[object, str] = {}  # launch shape -> why its launch failed; later calls do not try again
 _LAUNCH_ERRORS: tuple[type[BaseException], ...] = ()
 
 if triton is not None:
@@ -46,14 +46,14 @@ if triton is not None:
     # the lengths change with every call: not specialised on, so serving compiles the kernel once
     @triton.jit(do_not_specialize=["n_new", "seq_len", "stride_qt", "stride_ot"])
     def _prefix_attention_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, out_ptr,
         n_new, seq_len,
         stride_qt, stride_qh,
         stride_kp, stride_ks, stride_kh,
         stride_ot, stride_oh,
         qk_scale,
         GROUP: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     ):
         # a block's BLOCK_M rows are TOKENS new tokens x HEADS_PER_BLOCK query heads (1, or a whole GQA group,
         # which then reads each K/V tile once for all of its heads)
@@ -78,15 +78,23 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for start in range(0, unmasked_end, BLOCK_N):
             keys = start + offs_n
-            pages = tl.load(table_ptr + keys // PAGE)
-            kv_offsets = (pages * stride_kp + (keys % PAGE) * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :]
-            k = tl.load(k_ptr + kv_offsets)
+            if USE_TMA:  # one page a step (BLOCK_N == PAGE): a [PAGE, HEAD_DIM] box of the pool's 2-D view
+                row = tl.load(table_ptr + start // PAGE).to(tl.int32) * PAGE
+                k = k_desc.load([row, kv_head * HEAD_DIM])
+            else:
+                pages = tl.load(table_ptr + keys // PAGE)
+                kv_rows = pages * stride_kp + (keys % PAGE) * stride_ks + kv_head * stride_kh
+                kv_offsets = kv_rows[:, None] + dims[None, :]
+                k = tl.load(k_ptr + kv_offsets)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_offsets)
+            if USE_TMA:
+                v = v_desc.load([row, kv_head * HEAD_DIM])
+            else:
+                v = tl.load(v_ptr + kv_offsets)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         # the keys that reach the block's own positions: key j is visible to the query at position i iff j <= i.
@@ -94,16 +102,22 @@ if triton is not None:
         for start in range(unmasked_end, visible_end, BLOCK_N):
             keys = start + offs_n
             in_seq = keys < seq_len
-            pages = tl.load(table_ptr + keys // PAGE, mask=in_seq, other=0)
-            kv_offsets = (pages * stride_kp + (keys % PAGE) * stride_ks + kv_head * stride_kh)[:, None] + dims[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
+            if USE_TMA:  # the page's slots past seq_len hold anything (NaN too): zeroed before p @ v
+                row = tl.load(table_ptr + start // PAGE).to(tl.int32) * PAGE
+                k = k_desc.load([row, kv_head * HEAD_DIM])
+                v = tl.where(in_seq[:, None], v_desc.load([row, kv_head * HEAD_DIM]), 0.0)
+            else:
+                pages = tl.load(table_ptr + keys // PAGE, mask=in_seq, other=0)
+                kv_rows = pages * stride_kp + (keys % PAGE) * stride_ks + kv_head * stride_kh
+                kv_offsets = kv_rows[:, None] + dims[None, :]
+                k = tl.load(k_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
+                v = tl.load(v_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             scores = tl.where((keys[None, :] <= positions[:, None]) & in_seq[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_offsets, mask=in_seq[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -116,7 +130,9 @@ class PrefixKernelConfig:
     """Launch shape: rows (new tokens x packed heads) and keys per program step, warps, pipeline stages.
 
     pack_gqa puts a GQA group's query heads in one program's rows, so each K/V tile is read once per group
-    instead of once per query head.
+    instead of once per query head. tma loads each step's keys and values as one box of the pool's 2-D view
+    (`triton.tools.tensor_descriptor`; the Hopper copy engine on the GPU), one page a step (block_n must be the
+    page size).
     """
 
     block_m: int = 64
@@ -124,6 +140,7 @@ class PrefixKernelConfig:
     pack_gqa: bool = False
     num_warps: int = 4
     num_stages: int = 2
+    tma: bool = False
 
 
 # the H200 sweep's fastest over 1k-8k contexts (`bench/gpu/prefix_attention_bench.py --sweep`, bench/RESULTS.md):
@@ -132,9 +149,14 @@ CUDA_CONFIG = PrefixKernelConfig(block_m=64, block_n=64, pack_gqa=False, num_war
 INTERPRETER_CONFIG = PrefixKernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
-def prefix_kernel_available() -> bool:
-    """False once a launch failed on this GPU (`PrefixKernelUnavailable`): callers then use SDPA."""
-    return _unavailable is None
+def default_config(device: torch.device) -> PrefixKernelConfig:
+    return CUDA_CONFIG if device.type == "cuda" else INTERPRETER_CONFIG
+
+
+def prefix_kernel_available(device: torch.device) -> bool:
+    """False once the default launch shape failed on this device (`PrefixKernelUnavailable`): callers then use
+    SDPA."""
+    return default_config(device) not in _unavailable
 
 
 def paged_prefix_attention(
@@ -149,9 +171,9 @@ def paged_prefix_attention(
     Needs `hicache.engine.decode_kernel.kernel_supported` for the device, page size and head_dim. Raises
     PrefixKernelUnavailable if the kernel does not compile or fit on this GPU (logged once; then every call).
     """
-    global _unavailable
-    if _unavailable is not None:
-        raise PrefixKernelUnavailable(_unavailable)
+    config = config or default_config(q.device)
+    if config in _unavailable:
+        raise PrefixKernelUnavailable(_unavailable[config])
     n_new, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pool.shape
     if not 0 < n_new <= seq_len or page_table.numel() * page_size < seq_len:
@@ -159,30 +181,44 @@ def paged_prefix_attention(
                          f"of {page_size}")
     if q.stride(-1) != 1 or k_pool.stride(-1) != 1 or k_pool.stride() != v_pool.stride():
         raise ValueError("paged_prefix_attention needs head_dim-contiguous q, k and v, k and v alike")
-    if config is None:
-        config = CUDA_CONFIG if q.is_cuda else INTERPRETER_CONFIG
     group = num_heads // num_kv_heads
     heads_per_block = group if config.pack_gqa else 1
     if config.block_m < heads_per_block:
         raise ValueError(f"block_m {config.block_m} cannot hold a GQA group of {group} query heads")
+    k_desc = v_desc = None
+    if config.tma:
+        if config.block_n != page_size or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError(f"the TMA kernel takes one page ({page_size} keys) a step from contiguous pools, "
+                             f"not {config.block_n} keys")
+        k_desc, v_desc = (_page_descriptor(pool, config) for pool in (k_pool, v_pool))
     out = torch.empty(n_new, num_heads, head_dim, dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(n_new, config.block_m // heads_per_block), num_heads // heads_per_block)
     try:
         _prefix_attention_kernel[grid](
-            q, k_pool, v_pool, page_table, out,
+            q, k_pool, v_pool, k_desc, v_desc, page_table, out,
             n_new, seq_len,
             q.stride(0), q.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             out.stride(0), out.stride(1),
             (1.0 / math.sqrt(head_dim)) * math.log2(math.e),
             GROUP=group, HEADS_PER_BLOCK=heads_per_block, PAGE=page_size, HEAD_DIM=head_dim,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, USE_TMA=config.tma,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     except _LAUNCH_ERRORS as e:  # e.g. a GPU with less shared memory than the tiles need (float32 doubles them)
-        _unavailable = f"{type(e).__name__}: {e}"
+        why = _unavailable[config] = f"{type(e).__name__}: {e}"
         logger.warning("prefix attention kernel unavailable on %s with %s (%s); chunks over a cached prefix use "
-                       "SDPA from now on", q.device, q.dtype, _unavailable)
-        raise PrefixKernelUnavailable(_unavailable) from e
+                       "SDPA from now on", q.device, q.dtype, why)
+        raise PrefixKernelUnavailable(why) from e
     return out
+
+
+def _page_descriptor(pool: Tensor, config: PrefixKernelConfig) -> object:
+    """A TMA descriptor of one layer's K or V pool viewed as [pages x page_size, kv_heads x head_dim]: one page of one
+    KV head is the box at (page * page_size, kv_head * head_dim)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_pages, page_size, num_kv_heads, head_dim = pool.shape
+    flat = pool.view(num_pages * page_size, num_kv_heads * head_dim)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [config.block_n, head_dim])

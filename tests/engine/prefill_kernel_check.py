@@ -25,7 +25,7 @@ from hicache.engine.prefill_kernel import (  # noqa: E402
 # 30, one short of its page's last), several 16-row blocks, one token
 CASES = [(5, 5), (40, 7), (48, 16), (46, 16), (100, 33), (129, 1), (192, 64), (17, 16)]
 # launch shapes (pages of 16): a GQA group of 3 packed in 16 rows (5 tokens, one spare row) or a head per
-# program; one page, two pages or half a page of keys per step
+# program; one page, two pages or half a page of keys per step; pages loaded as TMA boxes
 CONFIGS = {
     "packed, a page a step": PrefixKernelConfig(block_m=16, block_n=16, pack_gqa=True, num_warps=4, num_stages=1),
     "a head each, a page a step": PrefixKernelConfig(block_m=16, block_n=16, pack_gqa=False, num_warps=4,
@@ -34,6 +34,10 @@ CONFIGS = {
                                                    num_stages=1),
     "a head each, half a page a step": PrefixKernelConfig(block_m=16, block_n=8, pack_gqa=False, num_warps=4,
                                                           num_stages=1),
+    "TMA boxes, a head each": PrefixKernelConfig(block_m=16, block_n=16, pack_gqa=False, num_warps=4, num_stages=1,
+                                                 tma=True),
+    "TMA boxes, packed": PrefixKernelConfig(block_m=16, block_n=16, pack_gqa=True, num_warps=4, num_stages=1,
+                                            tma=True),
 }
 
 
@@ -47,7 +51,11 @@ def kernel_cases() -> dict:
     for seq_len, new in CASES:
         qkv = torch.randn(new, heads + 2 * kv_heads, head_dim, generator=gen)
         q = qkv[:, :heads]  # strided rows, as the model passes a view of its fused qkv projection
-        got = {name: paged_prefix_attention(q, kv[0], kv[1], table, seq_len, config)
+        # every slot the sequence does not own holds NaN, as freed pool memory may: none of it may reach the output
+        poisoned = torch.full_like(kv, float("nan"))
+        slots = (table[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:seq_len]
+        poisoned.view(2, -1, kv_heads, head_dim)[:, slots] = kv.view(2, -1, kv_heads, head_dim)[:, slots]
+        got = {name: paged_prefix_attention(q, poisoned[0], poisoned[1], table, seq_len, config)
                for name, config in CONFIGS.items()}
         out["cases"].append({"seq_len": seq_len, "q": q.clone(), "got": got})
     return out
@@ -73,7 +81,7 @@ def model_cases() -> dict:
         model.prefill_kernel = kernel
         pool = kv.clone()
         results[kernel] = (model(batch(37, 70), pool, page_size, all_logits=True), pool)
-    return {"supported": model.uses_prefill_kernel(page_size), "ran": prefix_kernel_available(),
+    return {"supported": model.uses_prefill_kernel(page_size), "ran": prefix_kernel_available(torch.device("cpu")),
             "sdpa": results[False][0],
             "kernel": results[True][0], "sdpa_kv": results[False][1], "kernel_kv": results[True][1]}
 

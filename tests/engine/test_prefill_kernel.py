@@ -33,7 +33,7 @@ def test_kernel_matches_causal_attention_over_the_page_table(interpreted: dict) 
     assert len(case["cases"]) == 8
     for c in case["cases"]:
         expected = causal_attention(c["q"], case["kv"], case["table"], c["seq_len"], case["page_size"])
-        assert len(c["got"]) == 4  # every launch shape of prefill_kernel_check.CONFIGS
+        assert len(c["got"]) == 6  # every launch shape of prefill_kernel_check.CONFIGS
         for name, got in c["got"].items():
             assert got.shape == expected.shape
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=f"seq_len {c['seq_len']}, {name}")
@@ -66,7 +66,7 @@ def test_a_kernel_that_does_not_fit_the_gpu_falls_back_to_sdpa_for_good(monkeypa
     from hicache.engine import attention, load_model, prefill_kernel
     from hicache.engine import model as model_module
 
-    monkeypatch.setattr(prefill_kernel, "_unavailable", None)
+    monkeypatch.setattr(prefill_kernel, "_unavailable", {})
     launches = []
 
     class DoesNotFit:
@@ -95,7 +95,7 @@ def test_a_kernel_that_does_not_fit_the_gpu_falls_back_to_sdpa_for_good(monkeypa
     gathered = attention.PrefillSeq(0, 8, 40, slots, visible)
     torch.testing.assert_close(got, attention._attend_prefill(q, k, v, pool, k_flat, v_flat, gathered))
     torch.testing.assert_close(got, causal_attention(q, pool, table, 40, 16), atol=1e-5, rtol=1e-5)
-    assert len(launches) == 1 and not prefill_kernel.prefix_kernel_available()
+    assert len(launches) == 1 and not prefill_kernel.prefix_kernel_available(torch.device("cpu"))
     attention._attend_prefill(q, k, v, pool, k_flat, v_flat, planned)  # no second try
     assert len(launches) == 1 and not model.uses_prefill_kernel(16)
     with pytest.raises(prefill_kernel.PrefixKernelUnavailable, match="OutOfResources"):
