@@ -304,6 +304,7 @@ class Engine:
         """Abort what is left and close the cache stack (finishes queued L3 writes)."""
         for request_id in list(self.requests):
             self.abort(request_id)
+        self.ctrl.launch_loads()  # held loads (a step that failed after scheduling): drained tickets wait for them
         while self.scheduler.draining:
             self.ctrl.poll()
             self.scheduler.settle()

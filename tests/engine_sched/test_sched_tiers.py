@@ -6,6 +6,8 @@ tier says which tier served A the second time. float32 on CPU keeps the tokens s
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from sched_helpers import make_engine, run_all, settle_l3
 
@@ -167,3 +169,32 @@ def test_held_loads_start_in_the_step_that_asks_for_them(smollm, baseline):
     assert results["a.out"].usage.cached_tokens["host"] == len(tok.encode(A)) // PAGE * PAGE
     assert results["a"] == baseline[0]
     engine.close()
+
+
+def test_close_after_a_failed_step_launches_the_held_loads(smollm, baseline):
+    """A forward that raises after scheduling leaves A's load held; close() must launch it to drain A's ticket
+    instead of waiting for it forever."""
+    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
+                         cache__host__size_tokens=4096, scheduler__launch_loads_after_forward=True)
+    generate(engine, [A])
+    for other in OTHERS[1:]:
+        generate(engine, [other])
+    tok = engine.tokenizer
+    engine.add_request("other", tok.encode(OTHERS[0]), GREEDY)
+    engine.step()
+    engine.add_request("a", tok.encode(A), GREEDY)
+    real_forward = engine._forward
+
+    def failing_forward(plan):
+        raise RuntimeError("device lost")
+
+    engine._forward = failing_forward
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    engine._forward = real_forward
+    assert engine.ctrl.copier.held == 1  # A's host load, asked for while scheduling the failed step
+    closer = threading.Thread(target=engine.close, daemon=True)
+    closer.start()
+    closer.join(timeout=30)
+    assert not closer.is_alive(), "close() waited forever for a load that was never launched"
+    assert engine.ctrl.copier.held == 0 and not engine.scheduler.draining
