@@ -185,7 +185,7 @@ def paged_prefix_attention(
     heads_per_block = group if config.pack_gqa else 1
     if config.block_m < heads_per_block:
         raise ValueError(f"block_m {config.block_m} cannot hold a GQA group of {group} query heads")
-    k_desc = v_desc = None
+    k_desc, v_desc = k_pool, v_pool  # without TMA the kernel never reads these arguments: any tensor will do
     if config.tma:
         if config.block_n != page_size or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
             raise ValueError(f"the TMA kernel takes one page ({page_size} keys) a step from contiguous pools, "
