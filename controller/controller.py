@@ -312,22 +312,27 @@ class TierController:
         self._disk_read_free_at = start + (pages * self.page_bytes / bw if bw else 0.0)
         return self._disk_read_free_at
 
-    def prefetch(self, tokens: Sequence[int], max_pages: int | None = None) -> PrefetchHold:
+    def prefetch(self, tokens: Sequence[int], max_pages: int | None = None,
+                 hold: PrefetchHold | None = None) -> PrefetchHold:
         """Hold a queued request's cached prefix in host memory until it is admitted.
 
         Pages only on disk start reading into host memory, so they travel while other requests compute
         and the request loads them from host when admitted (the GPU is not touched). Those nodes, and
         nodes an earlier prefetch brought in, are pinned (host eviction passes them over) until the caller
         gives the hold back with `release_prefetch`. Reads held at once cover at most half the host pool;
-        the prefix is locked while host pages are found.
+        the prefix is locked while host pages are found. A hold that stopped for lack of room is `short`;
+        passing it back as `hold` (once other holds were released) goes on where it stopped.
         """
-        hold = PrefetchHold()
+        retry = hold is not None
+        hold = hold if retry else PrefetchHold()
+        hold.short = False
         if not self.prefetch_enabled:
             return hold
+        held = {id(node) for node, _ in hold.pins}
         m = self.match(tokens)
         budget = self.host.capacity_pages // 2 - self._prefetching
         self.tree.lock(m.last_node)  # host room is made from other pages than this prefix's
-        pos = 0
+        pos, started = 0, 0
         try:
             for node, tier in m.segments:
                 if node.pending is FAILED or node.id in self._invalid:
@@ -336,27 +341,33 @@ class TierController:
                     break
                 pos += node.num_pages
                 n = node.num_pages
+                if id(node) in held:
+                    continue
                 if node.loc[0] is None and ((node.pending is PREFETCHED and node.loc[1] is not None)
                                             or isinstance(node.pending, DiskLoad)):
                     self.tree.pin(node)  # brought in (or coming) for another queued request: hold it too
                     hold.pins.append((node, 0))
                 elif tier == DISK and node.loc[1] is None:
-                    if n > budget - hold.started:
+                    if n > budget - started:
+                        hold.short = True
                         break
                     host_pages = self._allocate(HOST, n)
                     if host_pages is None:
-                        self.stats.drops["host_full_on_prefetch"] += n
+                        if not retry:  # counted once per request, not once per step it asks again
+                            self.stats.drops["host_full_on_prefetch"] += n
+                        hold.short = True
                         break
                     node.pending = DiskLoad(host_pages, to_device=False, prefetch=True, eta=self._disk_eta(n))
                     self._loading[node.id] = node
                     self.worker.submit_read(node, node.loc[2], self._host_pages(host_pages))
                     self.tree.pin(node)
                     self._prefetching += n
-                    hold.started += n
+                    started += n
                     hold.pins.append((node, n))
         finally:
             self.tree.unlock(m.last_node)
-        self.stats.prefetched_pages += hold.started
+        hold.started += started
+        self.stats.prefetched_pages += started
         return hold
 
     def release_prefetch(self, hold: PrefetchHold) -> None:

@@ -53,7 +53,8 @@ class PrefetchHold:
     their way there) until the request is admitted and calls `release_prefetch`."""
 
     pins: list[tuple[TreeNode, int]] = field(default_factory=list)  # (pinned node, pages this hold read)
-    started: int = 0  # pages whose L3 reads this call started
+    started: int = 0  # pages whose L3 reads this hold started
+    short: bool = False  # stopped for lack of host room: `prefetch(..., hold=this)` may take more later
 
     @property
     def pages(self) -> int:

@@ -361,6 +361,29 @@ def test_prefetch_respects_max_pages_and_half_the_host_pool():
     assert off.ctrl.prefetch(seq(7, 3)).pages == 0
 
 
+def test_a_short_prefetch_goes_on_where_it_stopped_once_room_is_freed():
+    l3 = MemoryL3(32, LAYOUT.page_bytes)
+    h = on_disk_only(l3, seq(8, 2), device=4, host=8)
+    Harness(l3=l3, device=4, host=8).run(seq(7, 3))  # seq 7 and seq 8 on disk; h's tree has only seq 8
+    first = h.ctrl.prefetch(seq(7, 3))
+    assert first.started == 3 and not first.short
+    second = h.ctrl.prefetch(seq(8, 2))  # 3 of the 4 pages the half-pool allows are held
+    assert second.pages == 0 and second.short
+    assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short  # still no room
+    h.ctrl.release_prefetch(first)
+    assert h.ctrl.prefetch(seq(8, 2), hold=second) is second
+    assert not second.short and second.started == 2 and second.pages == 2 and h.ctrl._prefetching == 2
+    again = h.ctrl.prefetch(seq(8, 2), hold=second)  # nothing left to take: no second pin, no second read
+    assert again.started == 2 and len(again.pins) == 1 and again.pins[0][0].pin_ref == 1
+    assert h.ctrl.stats.prefetched_pages == 5
+    h.ctrl.poll()
+    h.ctrl.release_prefetch(second)
+    assert h.ctrl._prefetching == 0
+    h.ctrl.check_integrity()
+    assert h.run(seq(8, 2)) == {DISK: 2}
+    h.check_all_bytes()
+
+
 def test_request_claims_a_prefetch_in_flight_without_a_second_read():
     l3 = MemoryL3(32, LAYOUT.page_bytes)
     Harness(device=4, host=8, l3=l3).run(seq(7, 3))

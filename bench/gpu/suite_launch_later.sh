@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# scheduler.launch_loads_after_forward on the H200, in one device call (about 7 minutes):
+# scheduler.launch_loads_after_forward on the H200, in one device call (about 9 minutes):
 #   0. how fast 8 GiB of host memory pins, as the host pool does it and by parallel cudaHostRegister
 #      (bench/gpu/pin_bench.py: startup spent 28-36 s pinning a 48 GiB host pool);
 #   1. the copier's CUDA tests (the fence: a load started after a fence skips compute queued after it);
 #   2. a throwaway warm-up server run (the first run on a fresh machine is 13-16% slower: bench/RESULTS.md,
 #      seventh session);
-#   3. target 4's multi-turn run: GPU only, then the host tier with the setting off and on.
+#   3. target 4's multi-turn run: GPU only, then the host tier with the setting off and on, then host + L3
+#      (12 GiB host, 30 GiB L3), where queued requests' L3 prefetches now go to the front of the queue.
 # Results: $OUT/suite_launch_later.tgz.
 set -u
 cd "$(dirname "$0")/../.."
@@ -23,4 +24,7 @@ run mt8_gpu_only 8502 "--device-tokens 65536 --host-tokens 0 --no-l3"
 run mt8_host_now 8503 "--device-tokens 65536 --host-tokens 393216 --no-l3"
 run mt8_host_later 8504 "--device-tokens 65536 --host-tokens 393216 --no-l3 \
   --set scheduler.launch_loads_after_forward=true"
+rm -rf /tmp/hicache-l3  # host + L3 with prefetch room going to the front of the queue (seventh session's change)
+run mt8_host_l3 8505 "--device-tokens 65536 --host-tokens 98304 --disk-tokens 245760 --l3-path /tmp/hicache-l3"
+rm -rf /tmp/hicache-l3
 (cd "$out" && tar czf suite_launch_later.tgz --remove-files $(ls | grep -v '\.tgz$')) && echo "results: $out/suite_launch_later.tgz"

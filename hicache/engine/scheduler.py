@@ -158,14 +158,23 @@ class Scheduler:
             reserved += need
 
     def _prefetch(self) -> None:
-        """Send each newly queued request's disk-only prefix pages towards host memory (once per request)."""
+        """Send queued requests' disk-only prefix pages towards host memory, front of the queue first.
+
+        A request whose prefetch stopped for lack of host room (reads held cover at most half the host pool) asks
+        again on later steps, going on where it stopped, and the requests behind it wait their turn: room that
+        admissions free goes to the next request to be admitted, not to whoever arrives next.
+        """
         if not self.ctrl.prefetch_enabled:
             return
         for req in self.waiting:
-            if not req.prefetched:
-                req.prefetched = True
-                limit = (len(req.token_ids) - 1) // self.page_size
-                req.prefetch_hold = self.ctrl.prefetch(req.token_ids, max_pages=limit)
+            hold = req.prefetch_hold
+            if req.prefetched and (hold is None or not hold.short):
+                continue
+            req.prefetched = True
+            limit = (len(req.token_ids) - 1) // self.page_size
+            req.prefetch_hold = self.ctrl.prefetch(req.token_ids, max_pages=limit, hold=hold)
+            if req.prefetch_hold.short:
+                break  # no room left: the requests behind it would find none either
 
     def _release_prefetch(self, req: Request) -> None:
         if req.prefetch_hold is not None:

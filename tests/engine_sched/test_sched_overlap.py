@@ -17,9 +17,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def l3_engine(tiny, path, **dotted):
-    return make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=512, cache__host__size_tokens=512,
-                       cache__l3__path=str(path), cache__l3__size_gib=None, cache__l3__size_tokens=1024,
-                       cache__write_policy__host_to_disk="write_through", **dotted)
+    """An engine over an L3 store at `path` (tiers of 512 / 512 / 1024 tokens unless `dotted` says otherwise)."""
+    config = {"cache__page_size": PAGE, "cache__device__size_tokens": 512, "cache__host__size_tokens": 512,
+              "cache__l3__path": str(path), "cache__l3__size_gib": None, "cache__l3__size_tokens": 1024,
+              "cache__write_policy__host_to_disk": "write_through"}
+    return make_engine(tiny, **{**config, **dotted})
 
 
 def slow_disk_engine(tiny, path, **dotted):

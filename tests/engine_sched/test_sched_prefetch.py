@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from sched_helpers import assert_no_leaks, run_all
-from test_sched_overlap import GREEDY, A, hold_reads, reference, slow_disk_engine
+from test_sched_overlap import GREEDY, A, hold_reads, l3_engine, reference, slow_disk_engine
 
 from hicache.engine.params import SamplingParams
 
@@ -85,5 +85,42 @@ def test_request_waits_for_pages_another_request_is_loading(tiny, tmp_path):
     for rid, (ids, _, _) in run_all(engine).items():
         tokens[rid] += ids
     assert tokens == {"y": want, "w": want}
+    assert_no_leaks(engine)
+    engine.close()
+
+
+def test_prefetch_room_goes_to_the_front_of_the_queue(tiny, tmp_path):
+    """Three queued requests whose prefixes are on L3 only, host room for one prefix's reads at a time: the first
+    is prefetched, the second stops short and the third is not tried. When the first leaves the queue, the second
+    goes on where it stopped, ahead of the third."""
+    prompts = {name: [(seed * 31 + i * 7) % 250 + 1 for i in range(61)] for name, seed in (("q1", 3), ("q2", 5),
+                                                                                           ("q3", 9))}
+    writer = l3_engine(tiny, tmp_path / "l3")
+    for name, prompt in prompts.items():
+        writer.add_request(name, prompt, GREEDY)
+    run_all(writer)
+    writer.close()
+    # a restart with 32 host pages: held reads may cover 16, one prompt's 15
+    engine = slow_disk_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16, cache__host__size_tokens=128)
+    go = hold_reads(engine)
+    engine.add_request("b", B, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    for name, prompt in prompts.items():
+        engine.add_request(name, prompt, GREEDY)
+    engine.step()
+    q1, q2, q3 = (engine.requests[name] for name in prompts)
+    assert all(r in engine.scheduler.waiting for r in (q1, q2, q3))
+    assert q1.prefetch_hold.started == 15 and not q1.prefetch_hold.short
+    assert q2.prefetch_hold.pages == 0 and q2.prefetch_hold.short
+    assert not q3.prefetched and q3.prefetch_hold is None
+    engine.step()  # no room freed: q2 stays short, q3 untried
+    assert q2.prefetch_hold.short and q3.prefetch_hold is None
+    engine.abort("q1")  # leaves the queue: its hold is given back
+    engine.step()
+    assert q2.prefetch_hold.started == 15 and not q2.prefetch_hold.short
+    assert q3.prefetch_hold.pages == 0 and q3.prefetch_hold.short  # its turn now, but q2's reads hold the room
+    go.set()
+    outputs = run_all(engine)
+    assert outputs["q2"][2].usage.cached_tokens == {"device": 0, "host": 0, "disk": 60}  # from L3, via host
+    assert engine.stats()["cache"]["prefetched_pages"] >= 30
     assert_no_leaks(engine)
     engine.close()
