@@ -349,7 +349,9 @@ class TierController:
                     hold.pins.append((node, 0))
                 elif tier == DISK and node.loc[1] is None:
                     if n > budget - started:
-                        hold.short = True
+                        # short (worth asking again) unless it could not fit even with every other hold released
+                        own = sum(k for _, k in hold.pins)
+                        hold.short = n <= self.host.capacity_pages // 2 - own
                         break
                     host_pages = self._allocate(HOST, n)
                     if host_pages is None:
