@@ -7,6 +7,7 @@ safe: drive it from one thread (see hicache.engine.runner for a background-threa
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -67,6 +68,8 @@ class Engine:
             self.ctrl.copier = LaunchLater(self.ctrl.copier)  # after calibration, which timed the copier itself
             logger.info("page loads start once each step's forward is queued (scheduler.launch_loads_after_forward)")
         self.staging = HostStaging(self.device) if self.device.type == "cuda" else None
+        self._step_log: Any = None  # open_step_log: one JSON line per forward step
+        self._step_log_start = self._step_log_last = 0.0
         self.graphs: DecodeGraphs | None = None
         max_batch = min(cuda_graph_max_batch, config.max_running_requests)
         if max_batch > 0 and self.device.type == "cuda" and model.uses_decode_kernel(self.page_size):
@@ -133,9 +136,37 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
 
+    def open_step_log(self, path: str) -> None:
+        """Append one JSON line per forward step to `path` (closed by `close`): when it ran, how long scheduling and
+        the forward took, the tokens and sequences in it, the queues and GPU pages in use after it. What the
+        aggregate counters cannot show: which steps are decode-only, where the engine waits, how admission moves."""
+        self._step_log = open(path, "a", buffering=1)  # noqa: SIM115 - kept open until close()
+        self._step_log_start = self._step_log_last = time.monotonic()
+
+    def _log_step(self, before: dict[str, Any], plan: Sequence[tuple[Request, int]], first_tokens: int) -> None:
+        now = time.monotonic()
+        c, s = self.counters, self.scheduler
+        device = self.ctrl.device
+        self._step_log.write(json.dumps({
+            "t": round(now - self._step_log_start, 6),
+            "gap_ms": round((now - self._step_log_last) * 1e3 - (c["schedule_s"] - before["schedule_s"]) * 1e3
+                            - (c["forward_s"] - before["forward_s"]) * 1e3, 3),
+            "schedule_ms": round((c["schedule_s"] - before["schedule_s"]) * 1e3, 3),
+            "forward_ms": round((c["forward_s"] - before["forward_s"]) * 1e3, 3),
+            "sequences": len(plan),
+            "prefill_tokens": c["prefill_tokens"] - before["prefill_tokens"],
+            "decode_tokens": c["decode_tokens"] - before["decode_tokens"],
+            "graph": c["graph_steps"] > before["graph_steps"],
+            "first_tokens": first_tokens,
+            "waiting": len(s.waiting), "loading": len(s.loading), "running": len(s.running),
+            "device_used_pages": device.used_pages(),  # cached and in use, of device.capacity_pages
+        }) + "\n")
+        self._step_log_last = now
+
     def step(self) -> list[StepOutput]:
         """Run one scheduling step and forward; returns outputs of requests that produced tokens or ended."""
         outputs, self._pending = self._pending, []
+        before = dict(self.counters) if self._step_log is not None else None
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         self.counters["schedule_s"] += time.perf_counter() - start
@@ -168,9 +199,13 @@ class Engine:
         self.counters["steps"] += 1
         for req, n in plan:
             self.counters["decode_tokens" if n == 1 and req.num_output else "prefill_tokens"] += n
+        first_tokens = 0
         for req, token in zip(reqs, chosen):
+            first_tokens += req.num_output == 0
             self._append(req, token)
             outputs.append(self._output(req))
+        if before is not None:
+            self._log_step(before, plan, first_tokens)
         return outputs
 
     def _forward(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
@@ -310,4 +345,7 @@ class Engine:
             self.scheduler.settle()
             if self.scheduler.draining:
                 time.sleep(0.001)
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
         self.cache.close()

@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--profile-engine", metavar="FILE",
                    help="profile the engine thread (cProfile) and write its stats to FILE on shutdown")
+    p.add_argument("--step-log", metavar="FILE",
+                   help="append one JSON line per engine step: timings, tokens, queues (docs/server.md)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="set any config key, applied last; VALUE is YAML (e.g. --set "
                         "cache.write_policy.defer_above_free=1.0); repeatable")
@@ -127,7 +129,10 @@ def run(args: argparse.Namespace) -> int:
     from hicache.engine.runner import AsyncEngine
     from hicache.server.app import create_app
 
-    engine = AsyncEngine(build_engine(cfg), profile_path=args.profile_engine)
+    built = build_engine(cfg)
+    if args.step_log:
+        built.open_step_log(args.step_log)
+    engine = AsyncEngine(built, profile_path=args.profile_engine)
     try:
         s = cfg.server
         app = create_app(engine, cfg, s.served_model_name or cfg.model.name, s.api_key, s.trace_log)

@@ -227,3 +227,31 @@ def test_prefill_batch_tokens_finishes_short_prompts_in_turn(tiny):
     assert whole_prefills == [[20, 20, 20, 20]]
     assert [whole_first[f"r{i}"] for i in range(4)] == [0, 0, 0, 0]
     assert ids == whole_ids and all(len(v) == 3 for v in ids.values())
+
+
+def test_step_log_accounts_for_every_step(tiny, tmp_path):
+    """One JSON line per forward step; its tokens and first tokens add up to the run's, and it closes with the
+    engine."""
+    import json
+
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=1024, scheduler__chunk_tokens=32)
+    log = tmp_path / "steps.jsonl"
+    engine.open_step_log(str(log))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for i, n in enumerate((70, 10, 25)):  # 70 tokens take three 32-token chunks
+        engine.add_request(f"r{i}", prompt(i, n), params)
+    run_all(engine)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    counters = engine.counters
+    assert len(lines) == counters["steps"]
+    assert sum(s["prefill_tokens"] for s in lines) == counters["prefill_tokens"] == 105
+    assert sum(s["decode_tokens"] for s in lines) == counters["decode_tokens"] == 3 * 4  # after each first token
+    assert sum(s["first_tokens"] for s in lines) == 3
+    assert all(s["prefill_tokens"] + s["decode_tokens"] <= 32 for s in lines)
+    assert [s["t"] for s in lines] == sorted(s["t"] for s in lines)
+    assert all(s["forward_ms"] > 0 and s["schedule_ms"] >= 0 and s["gap_ms"] >= -1 for s in lines)
+    assert not any(s["graph"] for s in lines)  # CPU: no CUDA graphs
+    assert lines[0]["waiting"] + lines[0]["running"] + lines[0]["loading"] == 3  # all queued or running at first
+    assert lines[-1]["waiting"] == lines[-1]["running"] == 0 and lines[-1]["device_used_pages"] > 0
+    engine.close()
+    assert engine._step_log is None
