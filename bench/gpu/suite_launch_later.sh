@@ -28,4 +28,5 @@ run mt8_host_later 8504 "--device-tokens 65536 --host-tokens 393216 --no-l3 \
 rm -rf /tmp/hicache-l3  # host + L3 with prefetch room going to the front of the queue (seventh session's change)
 run mt8_host_l3 8505 "--device-tokens 65536 --host-tokens 98304 --disk-tokens 245760 --l3-path /tmp/hicache-l3"
 rm -rf /tmp/hicache-l3
+python3 bench/step_log_summary.py "$out"/*.steps.jsonl 2>&1 | tee "$out/steps_summary.txt"
 (cd "$out" && tar czf suite_launch_later.tgz --remove-files $(ls | grep -v '\.tgz$')) && echo "results: $out/suite_launch_later.tgz"

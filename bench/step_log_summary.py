@@ -1,0 +1,55 @@
+"""Summarise `hicache serve --step-log` files: where the engine thread's time went, step by kind.
+
+Kinds: prefill (the step computed prompt tokens, possibly with decodes riding along), decode-only (eager), and
+decode-only replayed from a CUDA graph. Per kind: steps, forward seconds, mean sequences; then scheduling and
+gap seconds (time in neither), tokens per prefill step, and the longest queue.
+
+Usage: python3 bench/step_log_summary.py FILE [FILE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def summarise(path: str) -> dict:
+    steps = [json.loads(line) for line in open(path) if line.strip()]
+    kinds: dict[str, list[dict]] = {"prefill": [], "decode-only": [], "decode-only, graph": []}
+    for s in steps:
+        kind = "prefill" if s["prefill_tokens"] else "decode-only, graph" if s["graph"] else "decode-only"
+        kinds[kind].append(s)
+    prefill = kinds["prefill"]
+    return {
+        "file": path,
+        "steps": len(steps),
+        "span_s": steps[-1]["t"] - steps[0]["t"] if steps else 0.0,
+        "kinds": {k: {"steps": len(v), "forward_s": sum(s["forward_ms"] for s in v) / 1e3,
+                      "mean_sequences": statistics.fmean(s["sequences"] for s in v) if v else 0.0}
+                  for k, v in kinds.items()},
+        "schedule_s": sum(s["schedule_ms"] for s in steps) / 1e3,
+        "gap_s": sum(max(0.0, s["gap_ms"]) for s in steps[1:]) / 1e3,  # the first gap is the wait for work
+        "prefill_tokens_per_step": statistics.fmean(s["prefill_tokens"] for s in prefill) if prefill else 0.0,
+        "first_tokens": sum(s["first_tokens"] for s in steps),
+        "max_waiting": max((s["waiting"] for s in steps), default=0),
+        "max_loading": max((s["loading"] for s in steps), default=0),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="+")
+    args = ap.parse_args()
+    for path in args.files:
+        r = summarise(path)
+        print(f"{r['file']}: {r['steps']} steps over {r['span_s']:.2f} s; scheduling {r['schedule_s']:.2f} s, "
+              f"gaps {r['gap_s']:.2f} s; {r['prefill_tokens_per_step']:.0f} prompt tokens per prefill step; "
+              f"{r['first_tokens']} first tokens; queues up to {r['max_waiting']} waiting, {r['max_loading']} loading")
+        for kind, k in r["kinds"].items():
+            print(f"  {kind:>20}: {k['steps']:5d} steps, forward {k['forward_s']:7.2f} s, "
+                  f"{k['mean_sequences']:5.1f} sequences on average")
+
+
+if __name__ == "__main__":
+    main()
