@@ -55,6 +55,24 @@ def calibrate_prefill(model: Any, page_size: int, budget_s: float = 0.5) -> floa
     return n / run(n)
 
 
+def warm_up_prefix_kernel(model: Any, page_size: int) -> float:
+    """Run one chunk over a cached prefix through `model` in a scratch pool (one page, then one page over it), so
+    that the prefix-attention kernel compiles now (seconds into an empty Triton cache) rather than in the first
+    prefix hit a client sends, and a GPU it does not fit falls back to SDPA before serving. Returns seconds."""
+    device = model.device
+    kv = torch.zeros(model.kv_pool_shape(2, page_size), dtype=model.dtype, device=device)
+    table = torch.arange(2, device=device)
+    start = time.perf_counter()
+    for first in (0, page_size):  # the prefix (plain causal attention), then a chunk over it (the kernel)
+        positions = torch.arange(first, first + page_size, device=device)
+        model(ForwardBatch(input_ids=torch.randint(0, model.config.vocab_size, (page_size,), device=device),
+                           positions=positions, out_slots=positions, seq_lens=[first + page_size],
+                           new_lens=[page_size], page_tables=[table]), kv, page_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrate: bool = True) -> Engine:
     """Load the model (unless given, e.g. shared between engines in tests) and assemble the cache and engine.
 
@@ -84,5 +102,9 @@ def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrat
         logger.info("calibrated prefill speed: %.0f tokens/s", speed)
     model.decode_kernel = cfg.model.decode_kernel
     model.prefill_kernel = cfg.model.prefill_attention == "triton"
+    if device.type == "cuda" and model.uses_prefill_kernel(cfg.cache.page_size):
+        seconds = warm_up_prefix_kernel(model, cfg.cache.page_size)
+        logger.info("prefix attention kernel warmed up in %.2f s%s", seconds,
+                    "" if model.uses_prefill_kernel(cfg.cache.page_size) else " (unavailable here: SDPA instead)")
     cache = build_cache(cfg, layout, dtype_name, device, namespace, prefill_tokens_per_s=speed)
     return Engine(model, tokenizer, cache, cfg.scheduler, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch)

@@ -100,3 +100,25 @@ def test_a_kernel_that_does_not_fit_the_gpu_falls_back_to_sdpa_for_good(monkeypa
     assert len(launches) == 1 and not model.uses_prefill_kernel(16)
     with pytest.raises(prefill_kernel.PrefixKernelUnavailable, match="OutOfResources"):
         prefill_kernel.paged_prefix_attention(q, pool[0], pool[1], table, 40)
+
+
+def test_warm_up_runs_one_chunk_over_a_prefix_through_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_engine's warm-up (CUDA) sends one page over a one-page prefix through the model: every layer asks the
+    prefix kernel for it, so the kernel compiles (or is found not to fit) before the server takes requests."""
+    from hicache.engine import attention, load_model
+    from hicache.engine import model as model_module
+    from hicache.engine.builder import warm_up_prefix_kernel
+    from hicache.engine.prefill_kernel import PrefixKernelUnavailable
+
+    calls = []
+
+    def kernel(q, k_pool, v_pool, page_table, seq_len):
+        calls.append((q.shape[0], seq_len, page_table.tolist()))
+        raise PrefixKernelUnavailable("recorded")  # the layer then attends through SDPA
+
+    monkeypatch.setattr(attention, "paged_prefix_attention", kernel)
+    monkeypatch.setattr(model_module, "kernel_supported", lambda *args: True)
+    model, _ = load_model("random:tiny", torch.float32, torch.device("cpu"))
+    model.prefill_kernel = True
+    assert warm_up_prefix_kernel(model, 16) > 0
+    assert calls == [(16, 32, [0, 1])] * model.config.num_layers
