@@ -29,6 +29,7 @@ def summarise(path: str) -> dict:
                       "mean_sequences": statistics.fmean(s["sequences"] for s in v) if v else 0.0}
                   for k, v in kinds.items()},
         "schedule_s": sum(s["schedule_ms"] for s in steps) / 1e3,
+        "overlapped_s": sum(s.get("overlapped_ms", 0.0) for s in steps) / 1e3,
         "gap_s": sum(max(0.0, s["gap_ms"]) for s in steps[1:]) / 1e3,  # the first gap is the wait for work
         "prefill_tokens_per_step": statistics.fmean(s["prefill_tokens"] for s in prefill) if prefill else 0.0,
         "first_tokens": sum(s["first_tokens"] for s in steps),
@@ -43,7 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     for path in args.files:
         r = summarise(path)
-        print(f"{r['file']}: {r['steps']} steps over {r['span_s']:.2f} s; scheduling {r['schedule_s']:.2f} s, "
+        print(f"{r['file']}: {r['steps']} steps over {r['span_s']:.2f} s; scheduling {r['schedule_s']:.2f} s "
+              f"({r['overlapped_s']:.2f} s of it while a forward ran), "
               f"gaps {r['gap_s']:.2f} s; {r['prefill_tokens_per_step']:.0f} prompt tokens per prefill step; "
               f"{r['first_tokens']} first tokens; queues up to {r['max_waiting']} waiting, {r['max_loading']} loading")
         for kind, k in r["kinds"].items():

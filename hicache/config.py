@@ -117,6 +117,10 @@ class SchedulerConfig:
     # so the engine thread's time starting them (most of its scheduling time with a host tier) overlaps the GPU's
     # work instead of delaying it (tiers.copy.LaunchLater). Not yet measured on a GPU, so off by default
     launch_loads_after_forward: bool = False
+    # admit and prefetch for the next step while this step's forward runs on the GPU, rather than between steps
+    # while the GPU waits (Scheduler.admit_ahead). Implies launch_loads_after_forward: the loads it asks for are
+    # held and started behind that forward, waiting only for the compute queued before it
+    admit_during_forward: bool = False
 
 
 @dataclass(frozen=True)

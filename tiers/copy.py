@@ -45,8 +45,8 @@ class PageCopier:
         self.device_pool = device_pool
         self.host_pool = host_pool
 
-    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> TransferHandle:
-        """Copy GPU pages to host pages (pairwise)."""
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int], after: None = None) -> TransferHandle:
+        """Copy GPU pages to host pages (pairwise). `after`: as for `to_device`."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_host: {len(device_pages)} device pages vs {len(host_pages)} host pages")
         if device_pages:
@@ -102,12 +102,18 @@ class LaunchLater:
     delaying it. Each held load keeps a `fence()` of the compute work queued when it was asked for and waits for
     that, not for the forward queued since (which does not touch its pages: they belong to requests still
     loading). Backups (`to_host`) pass straight through: L3 writer threads wait on their handles.
-    Engine thread only.
+
+    `pin_fence()`, called just before a forward is queued, lets the engine schedule the next step while that
+    forward runs (`scheduler.admit_during_forward`): until the next `launch()`, loads and backups wait only for the
+    compute queued before the pin. That is safe because the forward in flight reads and writes only pages of the
+    requests it runs, which nothing admitted meanwhile can evict or overwrite, and backups save pages committed
+    by earlier steps. Engine thread only.
     """
 
     def __init__(self, copier: PageCopier):
         self.copier = copier
         self._held: list[HeldTransfer] = []
+        self._pinned: object = None  # pin_fence()'s fence, until launch()
         self.launches = 0  # launch() calls that started at least one load
         self.launched_loads = 0
 
@@ -118,19 +124,28 @@ class LaunchLater:
     def held(self) -> int:
         return len(self._held)
 
+    def pin_fence(self) -> None:
+        """Fence the compute queued so far; loads and backups asked for before the next `launch()` wait only for
+        that (see the class doc)."""
+        self._pinned = self.copier.fence()
+
     def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> TransferHandle:
+        if self._pinned is not None:
+            return self.copier.to_host(device_pages, host_pages, after=self._pinned)
         return self.copier.to_host(device_pages, host_pages)
 
     def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> HeldTransfer:
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
-        held = HeldTransfer(self, list(host_pages), list(device_pages), self.copier.fence())
+        fence = self._pinned if self._pinned is not None else self.copier.fence()
+        held = HeldTransfer(self, list(host_pages), list(device_pages), fence)
         self._held.append(held)
         return held
 
     def launch(self) -> int:
-        """Start every held load, in the order they were asked for; returns how many."""
+        """Start every held load, in the order they were asked for, and drop the pinned fence; returns how many."""
         held, self._held = self._held, []
+        self._pinned = None
         for h in held:
             h.transfer = self.copier.to_device(h.host_pages, h.device_pages, after=h.fence)
         if held:

@@ -167,14 +167,23 @@ class CudaPageCopier:
         done.record(self.shuffle_stream)
         return CudaTransfer(done)
 
-    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> CudaTransfer:
-        """Demote GPU pages into host pages; returns when the copies are queued."""
+    def to_host(
+        self, device_pages: Sequence[int], host_pages: Sequence[int], after: torch.cuda.Event | None = None
+    ) -> CudaTransfer:
+        """Demote GPU pages into host pages; returns when the copies are queued.
+
+        The copies wait for the compute work queued before them (it wrote the KV being saved), or, given `after`
+        (a `fence()`), only for the work queued before that fence: the caller knows the pages were written by then."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_host: {len(device_pages)} device pages vs {len(host_pages)} host pages")
         kv, host = self.device_pool.kv, self.host_pool.buffer
-        compute = torch.cuda.current_stream()
-        self.shuffle_stream.wait_stream(compute)  # the KV being saved was written by compute
-        self.copy_stream.wait_stream(compute)
+        if after is None:
+            compute = torch.cuda.current_stream()
+            self.shuffle_stream.wait_stream(compute)
+            self.copy_stream.wait_stream(compute)
+        else:
+            self.shuffle_stream.wait_event(after)
+            self.copy_stream.wait_event(after)
         gather = self.copy_stream if self.host_alias is not None else self.shuffle_stream  # the stream that gathers
         dev_index = self._index(device_pages, gather)
         host_index = self._index(host_pages, gather) if self.host_alias is not None else None

@@ -11,7 +11,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp}
-timeout 90 python3 bench/gpu/pin_bench.py --gib 8 --json "$out/pin.json" 2>&1 | tail -5
+[ -n "${PIN:-}" ] && timeout 90 python3 bench/gpu/pin_bench.py --gib 8 --json "$out/pin.json" 2>&1 | tail -5
 timeout 120 python3 -m pytest -q tests/test_tiers.py 2>&1 | tail -3 | tee "$out/cuda_tests.txt"
 B="python3 -m hicache.cli bench multiturn --url \$URL --clients 32 --rounds 8 --request-length 1024 --output-length 8"
 timeout 90 bash bench/gpu/serve_and_bench.sh warmup 8501 "--device-tokens 65536 --host-tokens 0 --no-l3" \

@@ -62,11 +62,16 @@ class Engine:
         self._pending: list[StepOutput] = []  # errors found at add_request, reported by the next step
         self.counters = {
             "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0, "graph_steps": 0,
-            "schedule_s": 0.0, "inputs_s": 0.0,
+            "schedule_s": 0.0, "inputs_s": 0.0, "overlapped_s": 0.0,
         }
-        if config.launch_loads_after_forward and self.ctrl.copier is not None:
+        if (config.launch_loads_after_forward or config.admit_during_forward) and self.ctrl.copier is not None:
             self.ctrl.copier = LaunchLater(self.ctrl.copier)  # after calibration, which timed the copier itself
             logger.info("page loads start once each step's forward is queued (scheduler.launch_loads_after_forward)")
+        # admit for the next step while the forward runs (scheduler.admit_during_forward); its loads and backups
+        # wait only for the compute queued before that forward (LaunchLater.pin_fence)
+        self.admit_during_forward = config.admit_during_forward
+        if self.admit_during_forward:
+            logger.info("the next step's admissions run during each forward (scheduler.admit_during_forward)")
         self.staging = HostStaging(self.device) if self.device.type == "cuda" else None
         self._step_log: Any = None  # open_step_log: one JSON line per forward step
         self._step_log_start = self._step_log_last = 0.0
@@ -152,6 +157,9 @@ class Engine:
             "gap_ms": round((now - self._step_log_last) * 1e3 - (c["schedule_s"] - before["schedule_s"]) * 1e3
                             - (c["forward_s"] - before["forward_s"]) * 1e3, 3),
             "schedule_ms": round((c["schedule_s"] - before["schedule_s"]) * 1e3, 3),
+            # the part of schedule_ms spent after the forward was queued (launching loads, admit_ahead): the GPU is
+            # busy meanwhile, unless the forward ends first
+            "overlapped_ms": round((c["overlapped_s"] - before["overlapped_s"]) * 1e3, 3),
             "forward_ms": round((c["forward_s"] - before["forward_s"]) * 1e3, 3),
             "sequences": len(plan),
             "prefill_tokens": c["prefill_tokens"] - before["prefill_tokens"],
@@ -179,12 +187,19 @@ class Engine:
             if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream
                 self.ctrl.stream_wait(req.ticket)
                 req.needs_stream_wait = False
+        pin = getattr(self.ctrl.copier, "pin_fence", None) if self.admit_during_forward else None
+        if pin is not None:
+            pin()  # before the forward is queued: what admit_ahead asks for need not wait for it
         start = time.perf_counter()
         logits = self._forward(plan)
         launch = time.perf_counter()
+        if self.admit_during_forward:
+            self.scheduler.admit_ahead(plan)
         self.ctrl.launch_loads()  # loads held while scheduling (launch_loads_after_forward) start behind the forward
-        self.counters["schedule_s"] += time.perf_counter() - launch
-        start += time.perf_counter() - launch  # counted as scheduling, not forward
+        overlapped = time.perf_counter() - launch
+        self.counters["schedule_s"] += overlapped
+        self.counters["overlapped_s"] += overlapped
+        start += overlapped  # counted as scheduling, not forward
         rows = [i for i, (req, n) in enumerate(plan) if req.computed + n == len(req.token_ids)]
         reqs = [plan[i][0] for i in rows]
         chosen = []

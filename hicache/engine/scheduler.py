@@ -8,7 +8,8 @@ for every decoding request, then prefill chunks (oldest first) within `chunk_tok
 request once the step holds `batch_tokens` prefill tokens. New KV goes into
 private pages from `alloc_device`; when none are left the most recently admitted request is preempted
 (its full pages committed, so its prefix stays cached and a re-admission hits it). Full pages are
-committed as soon as they are computed.
+committed as soon as they are computed. With `admit_ahead` (scheduler.admit_during_forward) steps (1)-(2) also
+run while the previous step's forward is on the GPU.
 
 A request whose ticket has a gap (cache.load_policy.overlap) starts RUNNING once pages [0, k) are on the
 GPU and prefills the gap [k, s) while [s, n) loads; when the gap is computed it is committed whole
@@ -87,6 +88,16 @@ class Scheduler:
         self._prefetch()
         return self._plan()
 
+    def admit_ahead(self, plan: Sequence[tuple[Request, int]]) -> None:
+        """While `plan`'s forward runs: apply finished I/O, admit and prefetch for the next step, so that this
+        engine-thread work (tree lookups, evictions, asking for loads) overlaps the GPU instead of delaying the next
+        forward. The planned tokens count as computed for the admission budget. `schedule` still admits whatever
+        the step's commits and finished requests make room for."""
+        self.ctrl.poll()
+        self.settle()
+        self._admit(sum(min(n, len(r.token_ids) - r.computed - 1) for r, n in plan))  # decodes: 0
+        self._prefetch()
+
     def advance(self, plan: Sequence[tuple[Request, int]]) -> None:
         """After the forward: the planned tokens' KV is in the pages; commit the pages that filled."""
         for req, n in plan:
@@ -140,9 +151,11 @@ class Scheduler:
         decode = min(req.max_tokens - req.num_output, DECODE_RESERVE_TOKENS)
         return -(-(len(req.token_ids) + max(decode, 0)) // self.page_size)
 
-    def _admit(self) -> None:
+    def _admit(self, in_flight: int = 0) -> None:
+        """Admit waiting requests, oldest first, while the prefill backlog is under one step's budget and their
+        pages fit the GPU pool; in_flight: tokens of the forward now running (computed, not yet advanced)."""
         admitted = self.running + self.loading
-        backlog = sum(len(r.token_ids) - r.computed - 1 for r in admitted)
+        backlog = sum(len(r.token_ids) - r.computed - 1 for r in admitted) - in_flight
         reserved = sum(self._pages_needed(r) for r in admitted)
         capacity = self.ctrl.device.capacity_pages
         while self.waiting and len(self.running) + len(self.loading) < self.max_running:

@@ -40,6 +40,8 @@ ENGINE_COUNTERS = (
     ("hicache_engine_forward_seconds", "Seconds in forward passes and sampling", "forward_s"),
     ("hicache_engine_schedule_seconds", "Seconds planning steps and committing their pages (scheduler and cache "
      "controller)", "schedule_s"),
+    ("hicache_engine_schedule_overlapped_seconds", "The part of the scheduling seconds spent after a forward was "
+     "queued (starting loads, admit_during_forward), while the GPU computes", "overlapped_s"),
     ("hicache_computed_prefill_tokens", "Prompt tokens computed (not served by cache)", "prefill_tokens"),
     ("hicache_computed_decode_tokens", "Tokens decoded", "decode_tokens"),
 )

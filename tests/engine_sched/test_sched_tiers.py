@@ -12,6 +12,7 @@ import pytest
 from sched_helpers import make_engine, run_all, settle_l3
 
 from hicache.engine.params import SamplingParams
+from hicache.engine.request import Status
 from tiers import LaunchLater
 
 PAGE = 8
@@ -65,7 +66,8 @@ def served(smollm, baseline, expect_tier: str, **tiers) -> None:
     else:
         assert cached[expect_tier] == full and out.usage.total_cached_tokens == full, cached
     assert ids == baseline[0]
-    if tiers.get("scheduler__launch_loads_after_forward"):  # the loads were held, and each step launched them
+    if tiers.get("scheduler__launch_loads_after_forward") or tiers.get("scheduler__admit_during_forward"):
+        # the loads were held, and each step launched them
         copier = engine.ctrl.copier
         assert isinstance(copier, LaunchLater) and copier.launched_loads >= 1 and copier.held == 0
     engine.close()
@@ -78,17 +80,24 @@ def test_prefix_from_device(smollm, baseline):
     assert ids == baseline[0]
 
 
-@pytest.mark.parametrize("later", [False, True], ids=["loads-at-once", "loads-after-forward"])
-def test_prefix_from_host(smollm, baseline, later):
+LOAD_MODES = {  # how the engine starts page loads
+    "loads-at-once": {"scheduler__launch_loads_after_forward": False, "scheduler__admit_during_forward": False},
+    "loads-after-forward": {"scheduler__launch_loads_after_forward": True, "scheduler__admit_during_forward": False},
+    "admit-during-forward": {"scheduler__launch_loads_after_forward": False, "scheduler__admit_during_forward": True},
+}
+
+
+@pytest.mark.parametrize("mode", LOAD_MODES)
+def test_prefix_from_host(smollm, baseline, mode):
     served(smollm, baseline, "host", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=4096,
-           scheduler__launch_loads_after_forward=later)
+           **LOAD_MODES[mode])
 
 
-@pytest.mark.parametrize("later", [False, True], ids=["loads-at-once", "loads-after-forward"])
-def test_prefix_from_disk(smollm, baseline, tmp_path, later):
+@pytest.mark.parametrize("mode", LOAD_MODES)
+def test_prefix_from_disk(smollm, baseline, tmp_path, mode):
     served(smollm, baseline, "disk", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=12 * PAGE,
            cache__l3__path=str(tmp_path / "l3"), cache__l3__size_gib=None, cache__l3__size_tokens=4096,
-           scheduler__launch_loads_after_forward=later)
+           **LOAD_MODES[mode])
 
 
 def test_prefix_recomputed(smollm, baseline):
@@ -169,6 +178,43 @@ def test_held_loads_start_in_the_step_that_asks_for_them(smollm, baseline):
     assert results["a.out"].usage.cached_tokens["host"] == len(tok.encode(A)) // PAGE * PAGE
     assert results["a"] == baseline[0]
     engine.close()
+
+
+def test_admission_during_the_forward_starts_the_next_load_in_the_same_step(smollm, baseline):
+    """admit_during_forward: A, queued behind another prompt's last prefill chunk, is admitted while that chunk's
+    forward runs, and its host load is launched before the step returns (no step ends with a load held or the
+    fence still pinned); without the setting A is still waiting when that step ends. A's output is unchanged."""
+    waiting_after = {}
+    for ahead in (False, True):
+        engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
+                             cache__host__size_tokens=4096, scheduler__chunk_tokens=2 * PAGE,
+                             scheduler__admit_during_forward=ahead)
+        generate(engine, [A])
+        for other in OTHERS[1:]:
+            generate(engine, [other])
+        tok = engine.tokenizer
+        copier = engine.ctrl.copier
+        other = tok.encode(OTHERS[0])
+        assert 4 * PAGE < len(other) <= 6 * PAGE  # three chunks of 2 pages: the second step's forward leaves < 2
+        engine.add_request("other", other, GREEDY)
+        engine.add_request("a", tok.encode(A), GREEDY)  # the other prompt's backlog fills each step: A waits
+        assert isinstance(copier, LaunchLater) == ahead
+        results, steps = {}, 0
+        while engine.has_unfinished():
+            outputs = engine.step()
+            steps += 1
+            if steps == 2:  # admit_ahead saw a backlog under one chunk once the second chunk was in flight
+                waiting_after[ahead] = engine.requests["a"].status is Status.WAITING
+            for out in outputs:
+                results[out.request_id] = results.get(out.request_id, []) + out.new_token_ids
+                if out.finished:
+                    results[out.request_id + ".out"] = out
+            if ahead:
+                assert copier.held == 0 and copier._pinned is None
+        assert results["a.out"].usage.cached_tokens["host"] == len(tok.encode(A)) // PAGE * PAGE
+        assert results["a"] == baseline[0]
+        engine.close()
+    assert waiting_after == {False: True, True: False}
 
 
 def test_close_after_a_failed_step_launches_the_held_loads(smollm, baseline):
