@@ -115,11 +115,13 @@ class SchedulerConfig:
     default_max_tokens: int = 256
     # start the host -> GPU page loads asked for while scheduling a step only once the step's forward is queued,
     # so the engine thread's time starting them (most of its scheduling time with a host tier) overlaps the GPU's
-    # work instead of delaying it (tiers.copy.LaunchLater). Not yet measured on a GPU, so off by default
-    launch_loads_after_forward: bool = False
+    # work instead of delaying it (tiers.copy.LaunchLater). On the H200 the multi-turn host arm ran 7% faster
+    # (bench/RESULTS.md, eighth session)
+    launch_loads_after_forward: bool = True
     # admit and prefetch for the next step while this step's forward runs on the GPU, rather than between steps
     # while the GPU waits (Scheduler.admit_ahead). Implies launch_loads_after_forward: the loads it asks for are
-    # held and started behind that forward, waiting only for the compute queued before it
+    # held and started behind that forward, waiting only for the compute queued before it. Off: on the H200 it
+    # saved ~0.1 s of 11 in the host arm, and admitting earlier leaves less time for L3 -> host prefetches
     admit_during_forward: bool = False
 
 

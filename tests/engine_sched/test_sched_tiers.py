@@ -198,7 +198,7 @@ def test_admission_during_the_forward_starts_the_next_load_in_the_same_step(smol
         assert 4 * PAGE < len(other) <= 6 * PAGE  # three chunks of 2 pages: the second step's forward leaves < 2
         engine.add_request("other", other, GREEDY)
         engine.add_request("a", tok.encode(A), GREEDY)  # the other prompt's backlog fills each step: A waits
-        assert isinstance(copier, LaunchLater) == ahead
+        assert isinstance(copier, LaunchLater)  # the default, and implied by admit_during_forward
         results, steps = {}, 0
         while engine.has_unfinished():
             outputs = engine.step()
@@ -209,8 +209,7 @@ def test_admission_during_the_forward_starts_the_next_load_in_the_same_step(smol
                 results[out.request_id] = results.get(out.request_id, []) + out.new_token_ids
                 if out.finished:
                     results[out.request_id + ".out"] = out
-            if ahead:
-                assert copier.held == 0 and copier._pinned is None
+            assert copier.held == 0 and copier._pinned is None
         assert results["a.out"].usage.cached_tokens["host"] == len(tok.encode(A)) // PAGE * PAGE
         assert results["a"] == baseline[0]
         engine.close()
