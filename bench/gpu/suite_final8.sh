@@ -11,6 +11,10 @@ run() {  # name port serve-flags (host runs spend ~35 s pinning 48 GiB before th
   timeout 150 bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3 ${EXTRA:-} --step-log $out/$1.steps.jsonl" \
     "$B --json \$OUT/$1.json" 2>&1 | grep -E "==|metrics"
 }
+# SM clock, temperature and power every 2 s: does the early slowness follow the clocks?
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu --format=csv \
+  -l 2 >"$out/gpu_clocks.csv" 2>/dev/null &
+smi=$!
 GPU="--device-tokens 65536 --host-tokens 0 --no-l3"
 HOST="--device-tokens 65536 --host-tokens 393216 --no-l3"
 run warmup_gpu_only 8701 "$GPU"
@@ -21,6 +25,7 @@ run mt8_host_2 8705 "$HOST"
 rm -rf /tmp/hicache-l3
 run mt8_host_l3 8706 "--device-tokens 65536 --host-tokens 98304 --disk-tokens 245760 --l3-path /tmp/hicache-l3"
 rm -rf /tmp/hicache-l3
+kill $smi 2>/dev/null
 python3 bench/step_log_summary.py "$out"/*.steps.jsonl 2>&1 | tee "$out/steps_summary.txt"
 python3 - "$out" <<'PY' | tee "$out/ratios.txt"
 import json, sys, pathlib
