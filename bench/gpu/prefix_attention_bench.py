@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from hicache.engine.attention import CUDA_SDPA_BACKENDS, PrefillSeq, _attend_prefill
-from hicache.engine.prefill_kernel import CUDA_CONFIG, PrefixKernelConfig, paged_prefix_attention
+from hicache.engine.prefill_kernel import PrefixKernelConfig, default_configs, paged_prefix_attention
 
 
 def timed(fn, repeats: int) -> float:
@@ -103,10 +103,12 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,2048,4096,8192")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="time every launch shape of sweep_configs(), not only "
-                    "the default (CUDA_CONFIG)")
+                    "the default (the first of default_configs for 64-token pages)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    configs = sweep_configs() if args.sweep else [CUDA_CONFIG]
+    device = torch.device("cuda")
+    configs = sweep_configs() if args.sweep else default_configs(device, torch.empty(1, 64, 1, 1, device=device),
+                                                                   torch.empty(1, 64, 1, 1, device=device))[:1]
     rows = [row for c in args.contexts.split(",") for row in case(args.new, int(c), args.repeats, configs)]
     print(f"{'new':>6} {'context':>8} {'launch shape':>28} {'sdpa ms':>8} {'kernel ms':>10} {'sdpa TF':>8} "
           f"{'kernel TF':>10} {'kernel/sdpa':>12} {'max diff':>9}")

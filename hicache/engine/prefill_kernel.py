@@ -143,20 +143,46 @@ class PrefixKernelConfig:
     tma: bool = False
 
 
-# the H200 sweep's fastest over 1k-8k contexts (`bench/gpu/prefix_attention_bench.py --sweep`, bench/RESULTS.md):
-# 1,024 new tokens over 8k keys in 0.436 ms (335 TFLOPS, 0.62x of SDPA); GQA packing made no difference there
+# the H200 sweeps' fastest (`bench/gpu/prefix_attention_bench.py --sweep`, bench/RESULTS.md), 1,024 new tokens:
+# - without TMA (any GPU Triton supports): 0.267 / 0.436 ms over 4k / 8k keys (0.70x / 0.77x of SDPA in the eighth
+#   session's sweep; 335 TFLOPS at 8k); GQA packing made no difference;
+# - with TMA (Hopper and later, 64-token pages: one page a step): 0.258 / 0.388 ms (377 TFLOPS at 8k).
 CUDA_CONFIG = PrefixKernelConfig(block_m=64, block_n=64, pack_gqa=False, num_warps=4, num_stages=2)
+TMA_CONFIG = PrefixKernelConfig(block_m=128, block_n=64, pack_gqa=False, num_warps=4, num_stages=2, tma=True)
 INTERPRETER_CONFIG = PrefixKernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
-def default_config(device: torch.device) -> PrefixKernelConfig:
-    return CUDA_CONFIG if device.type == "cuda" else INTERPRETER_CONFIG
+def _tma_supported(device: torch.device) -> bool:
+    """Hopper or later, and a Triton with host-side TMA descriptors."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_configs(device: torch.device, k_pool: Tensor | None = None, v_pool: Tensor | None = None,
+                    ) -> list[PrefixKernelConfig]:
+    """The launch shapes to try for pools like these, fastest first, without those that failed on this process:
+    the TMA shape where it applies (Hopper+, one page of TMA_CONFIG.block_n keys a step, contiguous pools), then
+    the plain one that every Triton GPU runs; the interpreter's on CPU."""
+    if device.type != "cuda":
+        candidates = [INTERPRETER_CONFIG]
+    else:
+        candidates = [CUDA_CONFIG]
+        pools_fit = k_pool is None or (k_pool.shape[1] == TMA_CONFIG.block_n and k_pool.is_contiguous()
+                                       and v_pool is not None and v_pool.is_contiguous())
+        if pools_fit and _tma_supported(device):
+            candidates.insert(0, TMA_CONFIG)
+    return [c for c in candidates if c not in _unavailable]
 
 
 def prefix_kernel_available(device: torch.device) -> bool:
-    """False once the default launch shape failed on this device (`PrefixKernelUnavailable`): callers then use
+    """False once every default launch shape failed on this device (`PrefixKernelUnavailable`): callers then use
     SDPA."""
-    return default_config(device) not in _unavailable
+    return bool(default_configs(device))
 
 
 def paged_prefix_attention(
@@ -168,10 +194,26 @@ def paged_prefix_attention(
     q: [n_new, num_heads, head_dim] (rows may be strided, head_dim contiguous); k_pool, v_pool: [num_pages,
     page_size, num_kv_heads, head_dim], one layer of the pool, the new tokens' K/V already written; page_table:
     [>= ceil(seq_len / page_size)] integer page ids. Returns [n_new, num_heads, head_dim] in q's dtype.
-    Needs `hicache.engine.decode_kernel.kernel_supported` for the device, page size and head_dim. Raises
-    PrefixKernelUnavailable if the kernel does not compile or fit on this GPU (logged once; then every call).
+    Needs `hicache.engine.decode_kernel.kernel_supported` for the device, page size and head_dim. Without `config`
+    the default launch shapes are tried in turn (`default_configs`): one that does not compile or fit on this GPU
+    is logged once and skipped from then on. Raises PrefixKernelUnavailable when none (or the given `config`)
+    can run.
     """
-    config = config or default_config(q.device)
+    if config is not None:
+        return _launch(q, k_pool, v_pool, page_table, seq_len, config)
+    configs = default_configs(q.device, k_pool, v_pool)
+    if not configs:
+        raise PrefixKernelUnavailable("; ".join(sorted(set(_unavailable.values()))) or "no launch shape applies")
+    for config in configs[:-1]:
+        try:
+            return _launch(q, k_pool, v_pool, page_table, seq_len, config)
+        except PrefixKernelUnavailable:
+            continue  # logged by _launch; the next shape
+    return _launch(q, k_pool, v_pool, page_table, seq_len, configs[-1])
+
+
+def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_len: int,
+            config: PrefixKernelConfig) -> Tensor:
     if config in _unavailable:
         raise PrefixKernelUnavailable(_unavailable[config])
     n_new, num_heads, head_dim = q.shape
@@ -208,8 +250,9 @@ def paged_prefix_attention(
         )
     except _LAUNCH_ERRORS as e:  # e.g. a GPU with less shared memory than the tiles need (float32 doubles them)
         why = _unavailable[config] = f"{type(e).__name__}: {e}"
-        logger.warning("prefix attention kernel unavailable on %s with %s (%s); chunks over a cached prefix use "
-                       "SDPA from now on", q.device, q.dtype, why)
+        logger.warning("prefix attention kernel's launch shape %s unavailable on %s with %s (%s); chunks over a "
+                       "cached prefix use the next default shape, or SDPA after the last", config, q.device, q.dtype,
+                       why)
         raise PrefixKernelUnavailable(why) from e
     return out
 

@@ -83,18 +83,18 @@ def test_bf16_prefill_attention_reads_grouped_kv_heads_in_place(cached: int) -> 
     torch.testing.assert_close(attend(torch.bfloat16).float(), expected, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("shape", ["default", "packed", "tma"])
+@pytest.mark.parametrize("shape", ["plain", "packed", "tma", "tma-128", "defaults"])
 @pytest.mark.parametrize(("cached", "new"), [(300, 200), (64, 1000), (7000, 1024)])
 def test_bf16_prefix_kernel_matches_float32_attention(cached: int, new: int, shape: str) -> None:
     """The Triton prefix kernel in bf16, Llama-3.1-8B's head shapes and 64-token pages, against float32 attention
     by hand: block edges, a prefix that is not page-aligned, and a multi-turn round's 1k tokens over 7k; with the
-    default launch shape, with a GQA group packed into 128 rows and two pages of keys a step, and with pages loaded
-    as TMA boxes."""
+    plain launch shape, with a GQA group packed into 128 rows and two pages of keys a step, with pages loaded as TMA
+    boxes (64 and 128 rows), and through the default shapes (TMA first on Hopper)."""
     pytest.importorskip("triton")
-    from hicache.engine.prefill_kernel import CUDA_CONFIG, PrefixKernelConfig, paged_prefix_attention
+    from hicache.engine.prefill_kernel import CUDA_CONFIG, TMA_CONFIG, PrefixKernelConfig, paged_prefix_attention
 
-    config = {"default": CUDA_CONFIG, "packed": PrefixKernelConfig(128, 128, True, 8, 3),
-              "tma": PrefixKernelConfig(64, 64, False, 4, 2, tma=True)}[shape]
+    config = {"plain": CUDA_CONFIG, "packed": PrefixKernelConfig(128, 128, True, 8, 3),
+              "tma": PrefixKernelConfig(64, 64, False, 4, 2, tma=True), "tma-128": TMA_CONFIG, "defaults": None}[shape]
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     heads, kv_heads, dim, page_size = 32, 8, 128, 64

@@ -102,6 +102,66 @@ def test_a_kernel_that_does_not_fit_the_gpu_falls_back_to_sdpa_for_good(monkeypa
         prefill_kernel.paged_prefix_attention(q, pool[0], pool[1], table, 40)
 
 
+def test_default_shapes_put_tma_first_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TMA first on a Hopper GPU with contiguous pools of 64-token pages; otherwise, or once it failed, the plain
+    shape alone; the interpreter's shape on CPU."""
+    pytest.importorskip("triton")
+    from hicache.engine import prefill_kernel as pk
+
+    monkeypatch.setattr(pk, "_unavailable", {})
+    cuda = torch.device("cuda")  # only a name here: _tma_supported is the one that asks the GPU
+    pool = torch.zeros(2, 4, 64, 2, 16)
+    monkeypatch.setattr(pk, "_tma_supported", lambda device: True)
+    assert pk.default_configs(cuda, pool[0], pool[1]) == [pk.TMA_CONFIG, pk.CUDA_CONFIG]
+    small_pages = torch.zeros(2, 4, 16, 2, 16)
+    assert pk.default_configs(cuda, small_pages[0], small_pages[1]) == [pk.CUDA_CONFIG]
+    strided = torch.zeros(4, 64, 2, 2, 16)[:, :, 0]  # K of a [pages, page, k/v, heads, dim] layout: not contiguous
+    assert pk.default_configs(cuda, strided, strided) == [pk.CUDA_CONFIG]
+    assert pk.default_configs(torch.device("cpu"), pool[0], pool[1]) == [pk.INTERPRETER_CONFIG]
+    pk._unavailable[pk.TMA_CONFIG] = "OutOfResources: shared memory"
+    assert pk.default_configs(cuda, pool[0], pool[1]) == [pk.CUDA_CONFIG] and pk.prefix_kernel_available(cuda)
+    monkeypatch.setattr(pk, "_tma_supported", lambda device: False)
+    monkeypatch.setattr(pk, "_unavailable", {})
+    assert pk.default_configs(cuda, pool[0], pool[1]) == [pk.CUDA_CONFIG]
+
+
+def test_a_shape_that_fails_falls_through_to_the_next_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first default shape does not fit: the call goes on with the second, and later calls skip the first;
+    when the last fails too, PrefixKernelUnavailable names why."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from hicache.engine import prefill_kernel as pk
+
+    monkeypatch.setattr(pk, "_unavailable", {})
+    first, second = pk.PrefixKernelConfig(128, 16), pk.PrefixKernelConfig(16, 16)
+    monkeypatch.setattr(pk, "default_configs",
+                        lambda device, k=None, v=None: [c for c in (first, second) if c not in pk._unavailable])
+    launches, fits = [], {16}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_M, **kwargs):
+                launches.append(BLOCK_M)
+                if BLOCK_M not in fits:
+                    raise OutOfResources(262144, 232448, "shared memory")
+                args[6].fill_(float(BLOCK_M))  # the output: which shape wrote it
+
+            return launch
+
+    monkeypatch.setattr(pk, "_prefix_attention_kernel", Kernel())
+    pool = torch.zeros(2, 4, 16, 2, 16)
+    q, table = torch.zeros(8, 4, 16), torch.tensor([2, 0, 3])
+    assert float(pk.paged_prefix_attention(q, pool[0], pool[1], table, 40)[0, 0, 0]) == 16.0
+    assert launches == [128, 16] and first in pk._unavailable and second not in pk._unavailable
+    pk.paged_prefix_attention(q, pool[0], pool[1], table, 40)
+    assert launches == [128, 16, 16]  # the failed shape is not tried again
+    fits.clear()
+    with pytest.raises(pk.PrefixKernelUnavailable, match="OutOfResources"):
+        pk.paged_prefix_attention(q, pool[0], pool[1], table, 40)
+    assert launches == [128, 16, 16, 16] and not pk.prefix_kernel_available(torch.device("cpu"))
+
+
 def test_warm_up_runs_one_chunk_over_a_prefix_through_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """build_engine's warm-up (CUDA) sends one page over a one-page prefix through the model: every layer asks the
     prefix kernel for it, so the kernel compiles (or is found not to fit) before the server takes requests."""
