@@ -250,6 +250,9 @@ def test_step_log_accounts_for_every_step(tiny, tmp_path):
     assert all(s["prefill_tokens"] + s["decode_tokens"] <= 32 for s in lines)
     assert [s["t"] for s in lines] == sorted(s["t"] for s in lines)
     assert all(s["forward_ms"] > 0 and s["schedule_ms"] >= 0 and s["gap_ms"] >= -1 for s in lines)
+    assert all(0 <= s["overlapped_ms"] <= s["schedule_ms"] for s in lines)
+    overlapped = sum(s["overlapped_ms"] for s in lines)
+    assert overlapped == pytest.approx(counters["overlapped_s"] * 1e3, abs=0.01 * len(lines))  # rounded per line
     assert not any(s["graph"] for s in lines)  # CPU: no CUDA graphs
     assert lines[0]["waiting"] + lines[0]["running"] + lines[0]["loading"] == 3  # all queued or running at first
     assert lines[-1]["waiting"] == lines[-1]["running"] == 0 and lines[-1]["device_used_pages"] > 0

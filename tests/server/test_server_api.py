@@ -111,6 +111,8 @@ def test_metrics_exposition(server, client) -> None:
     assert metric(values, "hicache_engine_graph_steps_total") == 0  # CPU: no CUDA graphs
     assert metric(values, "hicache_engine_forward_seconds_total") > 0
     assert metric(values, "hicache_engine_schedule_seconds_total") > 0
+    overlapped = metric(values, "hicache_engine_schedule_overlapped_seconds_total")  # launching held loads
+    assert 0 < overlapped <= metric(values, "hicache_engine_schedule_seconds_total")
     assert metric(values, "hicache_time_to_first_token_seconds_count") >= 1
     assert metric(values, "hicache_requests_total", finish_reason="length") >= 1
 
