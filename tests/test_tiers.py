@@ -194,25 +194,36 @@ def test_launch_later_holds_loads_until_launched(layout: KVLayout):
     assert copier.held == 0
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_load_after_a_fence_does_not_wait_for_later_compute():
-    """A load started with `after=fence()` waits for the compute queued before the fence only: queued behind a
-    long matmul chain it still lands first, with the right bytes. Without a fence it waits for the chain."""
+def _small_cuda_copier():
+    """A DMA copier over 8-page bf16 pools of a small layout."""
     from tiers.cuda_copy import CudaPageCopier
 
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, itemsize=2)
     dev = DevicePool(layout, 8, torch.bfloat16, "cuda")
     host = HostPool(layout, 8, torch.bfloat16, pin_memory=True)
-    copier = CudaPageCopier(dev, host, mode="dma")
-    data = torch.randn(4, *host.buffer.shape[1:]).to(torch.bfloat16)
-    host.write_pages([0, 1, 2, 3], data)
-    fence = copier.fence()
+    return dev, host, CudaPageCopier(dev, host, mode="dma")
+
+
+def _long_compute_chain() -> torch.cuda.Event:
+    """Queue float32 matmuls (hundreds of ms) on the compute stream; the returned event follows them."""
     x = torch.randn(4096, 4096, device="cuda")
-    for _ in range(40):  # float32 matmuls: hundreds of ms on the compute stream
+    for _ in range(40):
         x = x @ x / 64
     chain = torch.cuda.Event()
     chain.record()
+    return chain
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_load_after_a_fence_does_not_wait_for_later_compute():
+    """A load started with `after=fence()` waits for the compute queued before the fence only: queued behind a
+    long matmul chain it still lands first, with the right bytes. Without a fence it waits for the chain."""
+    dev, host, copier = _small_cuda_copier()
+    data = torch.randn(4, *host.buffer.shape[1:]).to(torch.bfloat16)
+    host.write_pages([0, 1, 2, 3], data)
+    fence = copier.fence()
+    chain = _long_compute_chain()
     fenced = copier.to_device([0, 1], [4, 5], after=fence)
     fenced.wait()
     assert not chain.query(), "the fenced load waited for compute queued after its fence"
@@ -222,25 +233,17 @@ def test_cuda_load_after_a_fence_does_not_wait_for_later_compute():
     assert torch.equal(dev.read_pages([4, 5, 6, 7]).cpu(), data)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_backup_after_a_fence_does_not_wait_for_later_compute():
     """A backup started with `after=fence()` saves pages written before the fence without waiting for compute
     queued after it (admit_during_forward's backups run while a forward does), and saves the right bytes."""
-    from tiers.cuda_copy import CudaPageCopier
-
-    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, itemsize=2)
-    dev = DevicePool(layout, 8, torch.bfloat16, "cuda")
-    host = HostPool(layout, 8, torch.bfloat16, pin_memory=True)
-    copier = CudaPageCopier(dev, host, mode="dma")
+    dev, host, copier = _small_cuda_copier()
     data = torch.randn(2, *host.buffer.shape[1:]).to(torch.bfloat16)
     host.write_pages([0, 1], data)
     copier.to_device([0, 1], [2, 3]).wait()
     fence = copier.fence()
-    x = torch.randn(4096, 4096, device="cuda")
-    for _ in range(40):  # float32 matmuls: hundreds of ms on the compute stream
-        x = x @ x / 64
-    chain = torch.cuda.Event()
-    chain.record()
+    chain = _long_compute_chain()
     saved = copier.to_host([2, 3], [4, 5], after=fence)
     saved.wait()
     assert not chain.query(), "the fenced backup waited for compute queued after its fence"

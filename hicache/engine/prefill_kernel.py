@@ -15,6 +15,7 @@ CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -153,8 +154,10 @@ TMA_CONFIG = PrefixKernelConfig(block_m=128, block_n=64, pack_gqa=False, num_war
 INTERPRETER_CONFIG = PrefixKernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
+@functools.cache
 def _tma_supported(device: torch.device) -> bool:
-    """Hopper or later, and a Triton with host-side TMA descriptors."""
+    """Hopper or later, and a Triton with host-side TMA descriptors (asked once per device: every layer of every
+    prefill chunk picks its launch shape)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return False
     try:
