@@ -2,7 +2,10 @@
 
 Kinds: prefill (the step computed prompt tokens, possibly with decodes riding along), decode-only (eager), and
 decode-only replayed from a CUDA graph. Per kind: steps, forward seconds, mean sequences; then scheduling and
-gap seconds (time in neither), tokens per prefill step, and the longest queue.
+gap seconds (time in neither), tokens per prefill step, and the longest queue. Also: prefill steps by size (per
+1,024 prompt tokens: steps, seconds, microseconds per token; small steps cost more a token), and how many
+decode-only steps ran while loads were pending (the rest had nothing to prefill: the queue was empty or the GPU
+pool full).
 
 Usage: python3 bench/step_log_summary.py FILE [FILE ...]
 """
@@ -32,10 +35,27 @@ def summarise(path: str) -> dict:
         "overlapped_s": sum(s.get("overlapped_ms", 0.0) for s in steps) / 1e3,
         "gap_s": sum(max(0.0, s["gap_ms"]) for s in steps[1:]) / 1e3,  # the first gap is the wait for work
         "prefill_tokens_per_step": statistics.fmean(s["prefill_tokens"] for s in prefill) if prefill else 0.0,
+        "prefill_by_size": _by_size(prefill),
+        "decode_only_while_loading": sum(1 for s in steps if not s["prefill_tokens"] and s["loading"] > 0),
         "first_tokens": sum(s["first_tokens"] for s in steps),
         "max_waiting": max((s["waiting"] for s in steps), default=0),
         "max_loading": max((s["loading"] for s in steps), default=0),
     }
+
+
+def _by_size(prefill: list[dict]) -> list[dict]:
+    """Prefill steps grouped by prompt tokens, rounded up to a multiple of 1,024."""
+    groups: dict[int, list[dict]] = {}
+    for s in prefill:
+        groups.setdefault(-(-s["prefill_tokens"] // 1024) * 1024, []).append(s)
+    rows = []
+    for size in sorted(groups):
+        group = groups[size]
+        tokens = sum(s["prefill_tokens"] for s in group)
+        seconds = sum(s["forward_ms"] for s in group) / 1e3
+        rows.append({"up_to_tokens": size, "steps": len(group), "tokens": tokens, "forward_s": seconds,
+                     "us_per_token": seconds * 1e6 / tokens})
+    return rows
 
 
 def main() -> None:
@@ -51,6 +71,11 @@ def main() -> None:
         for kind, k in r["kinds"].items():
             print(f"  {kind:>20}: {k['steps']:5d} steps, forward {k['forward_s']:7.2f} s, "
                   f"{k['mean_sequences']:5.1f} sequences on average")
+        decode_only = r["kinds"]["decode-only"]["steps"] + r["kinds"]["decode-only, graph"]["steps"]
+        print(f"  decode-only steps while loads were pending: {r['decode_only_while_loading']} of {decode_only}")
+        for row in r["prefill_by_size"]:
+            print(f"  prefill steps of <= {row['up_to_tokens']:6d} tokens: {row['steps']:4d} steps, "
+                  f"{row['forward_s']:6.2f} s, {row['us_per_token']:6.1f} us/token")
 
 
 if __name__ == "__main__":
