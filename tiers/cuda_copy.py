@@ -114,6 +114,14 @@ class CudaPageCopier:
             index = torch.as_tensor(list(pages), dtype=torch.long).pin_memory()
             return index.to(self.device_pool.device, non_blocking=True)
 
+    def _wait_for_compute(self, after: torch.cuda.Event | None) -> None:
+        """Order both copier streams after the compute queued so far, or only after `after` (a `fence()`)."""
+        for stream in (self.copy_stream, self.shuffle_stream):
+            if after is None:
+                stream.wait_stream(torch.cuda.current_stream())
+            else:
+                stream.wait_event(after)
+
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(s, min(n, s + self.chunk_pages)) for s in range(0, n, self.chunk_pages)]
 
@@ -133,13 +141,7 @@ class CudaPageCopier:
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
         kv, host = self.device_pool.kv, self.host_pool.buffer
-        if after is None:
-            compute = torch.cuda.current_stream()
-            self.copy_stream.wait_stream(compute)
-            self.shuffle_stream.wait_stream(compute)
-        else:
-            self.copy_stream.wait_event(after)
-            self.shuffle_stream.wait_event(after)
+        self._wait_for_compute(after)
         dev_index = self._index(device_pages, self.copy_stream)  # the scatter waits for the copy stream's events
         host_index = self._index(host_pages, self.copy_stream) if self.host_alias is not None else None
         self._keep(dev_index, host_index)
@@ -177,13 +179,7 @@ class CudaPageCopier:
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_host: {len(device_pages)} device pages vs {len(host_pages)} host pages")
         kv, host = self.device_pool.kv, self.host_pool.buffer
-        if after is None:
-            compute = torch.cuda.current_stream()
-            self.shuffle_stream.wait_stream(compute)
-            self.copy_stream.wait_stream(compute)
-        else:
-            self.shuffle_stream.wait_event(after)
-            self.copy_stream.wait_event(after)
+        self._wait_for_compute(after)
         gather = self.copy_stream if self.host_alias is not None else self.shuffle_stream  # the stream that gathers
         dev_index = self._index(device_pages, gather)
         host_index = self._index(host_pages, gather) if self.host_alias is not None else None
