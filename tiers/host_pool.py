@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tiers.base import AllocatorBacked, KVLayout, PageAllocator
+from tiers.pinned import pinned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,11 @@ class HostPool(AllocatorBacked):
             pin_memory = torch.cuda.is_available()
         self.pinned = pin_memory
         shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
-        if pin_memory:  # the driver pins page by page: 28-36 s for 48 GiB on the H200 machine (bench/RESULTS.md)
+        if pin_memory:  # faulted in by several threads, then registered at once (tiers/pinned.py)
             logger.info("pinning %.1f GiB of host memory for the host pool", num_pages * self.page_bytes / 2**30)
-        self.buffer = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+            self.buffer = pinned_empty(shape, dtype)
+        else:
+            self.buffer = torch.empty(shape, dtype=dtype)
         self._bytes = self.buffer.view(num_pages, -1).view(torch.uint8)
         self.allocator = PageAllocator(num_pages, "host")
         logger.info("host pool: %d pages x %d bytes, pinned=%s", num_pages, self.page_bytes, pin_memory)

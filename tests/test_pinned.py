@@ -1,0 +1,68 @@
+"""Fast pinned allocation for the host pool (tiers/pinned.py): the parts that run without CUDA, and on CUDA the
+registered memory itself."""
+
+import gc
+
+import pytest
+import torch
+
+from tiers import pinned
+
+
+def test_touch_in_parallel_writes_every_slice():
+    buf = torch.full((1000,), 7, dtype=torch.uint8)  # 7 threads over 1000 bytes: slices of 143, the last of 142
+    pinned.touch_in_parallel(buf, 7)
+    assert int(buf.count_nonzero()) == 0
+    buf.fill_(5)
+    pinned.touch_in_parallel(buf, 1)
+    assert int(buf.count_nonzero()) == 0
+
+
+def test_anonymous_buffer_outlives_its_mapping_object_while_viewed():
+    buf = pinned.anonymous_buffer(1 << 21)
+    view = buf[100:200]
+    del buf
+    gc.collect()
+    view.fill_(9)  # the storage holds the mapping: still mapped, writable
+    assert view.numel() == 100 and int(view.sum()) == 900
+
+
+def test_pinned_empty_registers_once_and_unregisters_with_the_tensor(monkeypatch):
+    calls = []
+    monkeypatch.setattr(pinned, "_register", lambda ptr, n: calls.append(("register", ptr, n)))
+    monkeypatch.setattr(pinned, "_unregister", lambda ptr: calls.append(("unregister", ptr)))
+    t = pinned.pinned_empty((3, 5, 7), torch.bfloat16, threads=4)
+    assert t.shape == (3, 5, 7) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert int(t.count_nonzero()) == 0
+    assert calls == [("register", t.data_ptr(), 3 * 5 * 7 * 2)]
+    t[1, 2, 3] = 1.5
+    assert t.view(-1)[1 * 35 + 2 * 7 + 3].item() == 1.5
+    ptr = t.data_ptr()
+    del t
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)
+
+
+def test_pinned_empty_falls_back_to_torch_when_registration_is_refused(monkeypatch, caplog):
+    monkeypatch.setattr(pinned, "_register", lambda ptr, n: "cudaErrorHostMemoryAlreadyRegistered")
+    fallback = []
+    monkeypatch.setattr(pinned, "_torch_pinned", lambda shape, dtype: fallback.append((shape, dtype)) or
+                        torch.zeros(shape, dtype=dtype))
+    t = pinned.pinned_empty((4, 4), torch.float32)
+    assert fallback == [((4, 4), torch.float32)] and t.shape == (4, 4)
+    assert "refused (cudaErrorHostMemoryAlreadyRegistered)" in caplog.text
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_registered_memory_is_pinned_and_copies_both_ways():
+    t = pinned.pinned_empty((64, 1024), torch.bfloat16)
+    assert t.is_pinned() and t[3:9].is_pinned()
+    src = torch.randn(64, 1024, device="cuda").bfloat16()
+    t.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    back = t.to("cuda", non_blocking=True)
+    assert torch.equal(back, src)
+    del t, back
+    gc.collect()
+    torch.cuda.synchronize()
