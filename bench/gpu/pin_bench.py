@@ -1,7 +1,8 @@
 """How fast can the host pool's memory be pinned? Startup with a 48 GiB host tier spent 28-36 s pinning it on the
-H200 machine (bench/RESULTS.md, seventh session). This times, for --gib of memory:
+H200 machine with torch's pinned allocation (bench/RESULTS.md, seventh session); `tiers/pinned.py` (huge-touch, the
+host pool's allocation since the ninth session) took 2.0-2.4 s. This times, for --gib of memory:
 
-  torch        torch.empty(..., pin_memory=True), what `tiers.host_pool.HostPool` does now;
+  torch        torch.empty(..., pin_memory=True), the host pool's allocation before tiers/pinned.py;
   register-N   a pageable torch.empty, then cudaHostRegister of N equal slices from N threads at once;
   touch-N      a pageable torch.empty whose pages N threads fault in first (writing zeros), then one
                cudaHostRegister of memory already resident;

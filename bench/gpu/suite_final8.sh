@@ -7,7 +7,7 @@ set -u
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp}
 B="python3 -m hicache.cli bench multiturn --url \$URL --clients 32 --rounds 8 --request-length 1024 --output-length 8"
-run() {  # name port serve-flags (host runs spend ~35 s pinning 48 GiB before the port opens)
+run() {  # name port serve-flags (host runs pinned 48 GiB before the port opened: ~35 s before tiers/pinned.py, ~2 s since)
   timeout 150 bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3 ${EXTRA:-} --step-log $out/$1.steps.jsonl" \
     "$B --json \$OUT/$1.json" 2>&1 | grep -E "==|metrics"
 }

@@ -17,7 +17,7 @@ B="python3 -m hicache.cli bench multiturn --url \$URL --clients 32 --rounds 8 --
 timeout 90 bash bench/gpu/serve_and_bench.sh warmup 8501 "--device-tokens 65536 --host-tokens 0 --no-l3" \
   "python3 -m hicache.cli bench multiturn --url \$URL --clients 16 --rounds 2 --request-length 1024 \
    --output-length 8 --json \$OUT/warmup.json" 2>&1 | grep "=="
-run() {  # name port serve-flags (host runs spend ~35 s pinning 48 GiB before the port opens); a step log each
+run() {  # name port serve-flags (host runs pinned 48 GiB before the port opened: ~35 s before tiers/pinned.py, ~2 s since); a step log each
   timeout 150 bash bench/gpu/serve_and_bench.sh "$1" "$2" "$3 --step-log $out/$1.steps.jsonl" \
     "$B --json \$OUT/$1.json" 2>&1 | grep -E "==|metrics"
 }
