@@ -104,6 +104,28 @@ def test_kvikio_round_trip_into_gpu_memory(tmp_path):
         assert all(torch.equal(o, p) for o, p in zip(out, pages))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["posix", "kvikio"])
+def test_round_trip_through_the_registered_host_pool(tmp_path, backend):
+    """The host pool's memory (an mmap registered with CUDA, tiers/pinned.py) as the L3 store's buffers."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if backend == "kvikio":
+        pytest.importorskip("kvikio")
+    from tiers.pinned import pinned_empty
+
+    host = pinned_empty((8, 8192), torch.uint8)
+    assert host.is_pinned()
+    keys = [key(i) for i in range(8)]
+    for i, k in enumerate(keys):
+        host[i].copy_(content(k, 8192))
+    with L3Store(tmp_path / "s", 16 * 8192, 8192, NAMESPACE, io_backend=backend) as store:
+        assert store.write_pages(keys, list(host)) == [True] * 8
+        host.zero_()
+        assert store.read_pages(keys, list(host)) == [True] * 8
+    assert all(torch.equal(host[i], content(k, 8192)) for i, k in enumerate(keys))
+
+
 READER = """
 import sys, torch
 from l3_helpers import NAMESPACE, content, empty, key
