@@ -30,7 +30,9 @@ def empty(page_bytes: int, n: int = 1) -> list[torch.Tensor]:
 
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, os.path.dirname(os.path.abspath(__file__))])
+    # in front of the caller's path, not instead of it: packages installed with --target live there
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT, os.path.dirname(os.path.abspath(__file__)), *inherited])
     return env
 
 
