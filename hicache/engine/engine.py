@@ -35,6 +35,25 @@ def find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
     return min(hits) if hits else None
 
 
+ALIGN_INT64 = 2  # 16 bytes
+
+
+def pack_aligned(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Concatenate int64 arrays, each starting 16 bytes aligned (zeros pad the gaps); returns the array and each
+    part's [start, end). The device views of the parts are then 16-byte aligned too, as Triton assumes when it
+    compiles a kernel for its pointer arguments: a page table at an 8-byte offset made the prefix kernel compile
+    a second variant (~0.4 s) in the middle of serving (bench/RESULTS.md, ninth session)."""
+    offsets, chunks, at = [], [], 0
+    for part in parts:
+        offsets.append((at, at + len(part)))
+        pad = -len(part) % ALIGN_INT64
+        chunks.append(part)
+        if pad:
+            chunks.append(np.zeros(pad, dtype=np.int64))
+        at += len(part) + pad
+    return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)), offsets
+
+
 class Engine:
     """Continuous-batching generation over a CacheStack; every tree/controller call happens in step()."""
 
@@ -255,22 +274,21 @@ class Engine:
             positions.append(pos)
             slots.append(table[pos // ps] * ps + pos % ps)  # flat slot of each new token
             tables.append(table)
-        total = len(ids)
         extra = [np.asarray(v, dtype=np.int64) for v in (decode_rows, decode_lens, last_rows)]
-        packed = np.concatenate([np.asarray(ids, dtype=np.int64), *positions, *slots, *tables, *extra])
+        no_ints = np.zeros(0, dtype=np.int64)
+        packed, offsets = pack_aligned([np.asarray(ids, dtype=np.int64), np.concatenate([no_ints, *positions]),
+                                        np.concatenate([no_ints, *slots]), *tables, *extra])
         flat = self.staging.upload(packed) if self.staging is not None else torch.from_numpy(packed).to(self.device)
-        views, offset = [], 3 * total
-        for part in (*tables, *extra):
-            views.append(flat[offset : offset + len(part)])
-            offset += len(part)
-        decode_rows_d, decode_lens_d, last_rows_d = views[len(tables) :]
+        views = [flat[start:end] for start, end in offsets]
+        ids_d, positions_d, slots_d = views[:3]
+        decode_rows_d, decode_lens_d, last_rows_d = views[3 + len(tables) :]
         batch = ForwardBatch(
-            input_ids=flat[:total],
-            positions=flat[total : 2 * total],
-            out_slots=flat[2 * total : 3 * total],
+            input_ids=ids_d,
+            positions=positions_d,
+            out_slots=slots_d,
             seq_lens=[req.computed + n for req, n in plan],
             new_lens=[n for _, n in plan],
-            page_tables=views[: len(tables)],
+            page_tables=views[3 : 3 + len(tables)],
             decode_rows=decode_rows_d,
             decode_lens=decode_lens_d,
             last_rows=last_rows_d,
