@@ -21,27 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+from prefix_attention_bench import timed  # this directory's bench (run as a script, it is on sys.path)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hicache.engine.prefill_kernel import paged_prefix_attention
-
-
-def timed(fn, repeats: int) -> float:
-    """Median milliseconds of fn() over `repeats` calls, each timed with CUDA events (one untimed call first)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def cudnn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
