@@ -37,6 +37,9 @@ class ModelConfig:
     # decode tokens attend through the paged Triton kernel where it runs (CUDA with Triton); false: the
     # PyTorch reference (gather + SDPA)
     decode_kernel: bool = True
+    # on CUDA, silu(gate) * up and the rotary embedding as one Triton kernel each (hicache.engine.fused_ops)
+    # instead of PyTorch's two and three; false: PyTorch's ops
+    fused_elementwise: bool = True
     # prefill chunks over a cached prefix: "triton" reads the context in place through the page table
     # (hicache.engine.prefill_kernel; CUDA with Triton, else sdpa), 0.50-0.62x of sdpa's time on the H200
     # (bench/RESULTS.md); "sdpa" gathers the context and runs PyTorch's flash attention

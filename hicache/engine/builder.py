@@ -10,6 +10,7 @@ import torch
 
 from hicache.cache import TORCH_DTYPES, build_cache, namespace_fields
 from hicache.config import Config
+from hicache.engine import fused_ops
 from hicache.engine.engine import Engine
 from hicache.engine.model import ForwardBatch
 from hicache.engine.weights import load_model
@@ -95,6 +96,7 @@ def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrat
         **fields,
         "revision": revision,
     }
+    fused_ops.enabled = cfg.model.fused_elementwise  # process-wide (the last engine built decides); before calibrating
     speed = None
     lp = cfg.cache.load_policy
     if lp.prefill_tokens_per_s is None and lp.mode == "auto" and calibrate:

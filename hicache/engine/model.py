@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hicache.engine import fused_ops
 from hicache.engine.attention import DecodePlan, paged_attention, plan_attention
 from hicache.engine.decode_kernel import kernel_supported
 from hicache.engine.prefill_kernel import prefix_kernel_available
@@ -179,12 +180,11 @@ def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [T, heads, head_dim] in place by position (half-split layout, as HF); returns x.
 
     cos: [T, 1, head_dim] as HF's; sin: [T, 1, head_dim] with its first half negated (see `rope_cos_sin`), so
-    that HF's ``x * cos + cat(-x2, x1) * sin`` becomes ``x * cos + cat(x2, x1) * sin``: one copy and two
-    elementwise kernels. x may be a strided view (the q and k heads of a fused qkv projection).
+    that HF's ``x * cos + cat(-x2, x1) * sin`` becomes ``x * cos + cat(x2, x1) * sin``: on CUDA one Triton kernel
+    (`hicache.engine.fused_ops.rope_`), elsewhere one copy and two elementwise kernels. x may be a strided view (the
+    q and k heads of a fused qkv projection).
     """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x.mul_(cos).addcmul_(swapped, sin)
+    return fused_ops.rope_(x, cos, sin)
 
 
 def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -292,10 +292,10 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, residual: Tensor) -> Tensor:
         """Add the feed-forward output of x (normed) to `residual` in place and return it."""
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # strided views; silu * up written into gate
+            act = fused_ops.silu_and_mul(self.gate_up_proj(x))  # one kernel on CUDA
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return _add_linear_(residual, F.silu(gate, inplace=True).mul_(up), self.down_proj)
+            act = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        return _add_linear_(residual, act, self.down_proj)
 
 
 class DecoderLayer(nn.Module):

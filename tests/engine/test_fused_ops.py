@@ -1,0 +1,49 @@
+"""The fused elementwise kernels (hicache.engine.fused_ops) against PyTorch's ops (CPU, through Triton's
+interpreter), and their PyTorch fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import run_interpreted
+
+from hicache.engine import fused_ops
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    pytest.importorskip("triton", reason="the fused kernels are written in Triton")
+    return run_interpreted("fused_ops_check.py", tmp_path_factory.mktemp("fused") / "results.pt")
+
+
+def test_silu_and_mul_kernel_matches_pytorch(interpreted: dict) -> None:
+    assert [c["gate_up"].shape[0] for c in interpreted["silu"]] == [5, 3, 0]
+    for case in interpreted["silu"]:
+        gate, up = case["gate_up"].chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+        assert case["contiguous"] and case["got"].shape == expected.shape
+        torch.testing.assert_close(case["got"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_kernel_rotates_only_the_viewed_heads_in_place(interpreted: dict) -> None:
+    for case in interpreted["rope"]:
+        qkv, heads, cos, sin = case["qkv"], case["heads"], case["cos"], case["sin"]
+        half = qkv.shape[-1] // 2
+        x1, x2 = qkv[:, :heads, :half], qkv[:, :heads, half:]
+        true_sin = sin[..., half:]  # the second half holds sin itself
+        expected = torch.cat((x1 * cos[..., :half] - x2 * true_sin, x2 * cos[..., half:] + x1 * true_sin), dim=-1)
+        assert case["same_tensor"]
+        torch.testing.assert_close(case["got"][:, :heads], expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(case["got"][:, heads:], qkv[:, heads:])  # the v heads are untouched
+
+
+def test_without_cuda_the_pytorch_ops_run_and_agree(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(4, 2 * 96, generator=gen)
+    gate, up = gate_up.clone().chunk(2, dim=-1)
+    got = fused_ops.silu_and_mul(gate_up.clone())  # CPU: PyTorch's two ops, into the gate half
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up)
+    monkeypatch.setattr(fused_ops, "enabled", False)
+    assert not fused_ops._kernel_runs(torch.empty(1), None)
+    if fused_ops.triton is not None:
+        assert fused_ops._kernel_runs(torch.empty(1), True) == fused_ops._INTERPRET
