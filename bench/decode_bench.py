@@ -5,6 +5,9 @@ the engine runs it. Sequences own scattered pages (a random permutation), as in 
 times one layer's attention alone: gather + SDPA against the kernel, and reports the roofline of a step
 (weights plus the KV read once, at the given HBM bandwidth).
 
+"graph" is with the fused elementwise kernels (hicache.engine.fused_ops), "unfused" the same graphs captured with
+PyTorch's ops.
+
 Usage: python3 bench/decode_bench.py --model random:llama-3.1-8b --batch-sizes 1,8,32 --contexts 1024,8192
 """
 
@@ -21,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hicache.engine import ForwardBatch, load_model  # noqa: E402
+from hicache.engine import ForwardBatch, fused_ops, load_model  # noqa: E402
 from hicache.engine.attention import paged_attention, plan_attention  # noqa: E402
 from hicache.engine.cuda_graph import DecodeGraphs  # noqa: E402
 
@@ -96,14 +99,17 @@ def main() -> None:
     num_pages = max(batches) * per_seq
     kv = torch.empty(model.kv_pool_shape(num_pages, ps), dtype=model.dtype, device=device)
     graphs = DecodeGraphs(model, kv, ps, max(batches), per_seq).capture(batches)
+    fused_ops.enabled = False  # the same graphs with PyTorch's elementwise ops (model.fused_elementwise false)
+    unfused = DecodeGraphs(model, kv, ps, max(batches), per_seq).capture(batches)
+    fused_ops.enabled = True
     kv.normal_()  # after capture: its warm-up writes slot 0
     order = torch.randperm(num_pages).tolist()  # scattered pages, as in a serving pool
     tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(max(batches))]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_token_bytes = model.config.kv_bytes_per_token(model.dtype)
     rows = []
-    print(f"{'batch':>5} {'context':>7} | {'reference':>9} {'kernel':>7} {'graph':>7} ms/step | roofline | "
-          f"attention/layer ref, kernel ms")
+    print(f"{'batch':>5} {'context':>7} | {'reference':>9} {'kernel':>7} {'graph':>7} {'unfused':>7} ms/step | "
+          f"roofline | attention/layer ref, kernel ms")
     for context in contexts:
         for batch in batches:
             t = tables[:batch]
@@ -117,13 +123,15 @@ def main() -> None:
             times["kernel"] = time_steps(eager, batch, context, args.steps)
             times["graph"] = time_steps(lambda ids, positions, t=t: graphs.run(ids, positions, t), batch, context,
                                         args.steps)
+            times["graph_unfused"] = time_steps(lambda ids, positions, t=t: unfused.run(ids, positions, t), batch,
+                                                context, args.steps)
             med = {k: statistics.median(v) * 1000 for k, v in times.items()}
             roof = (weight_bytes + batch * context * kv_token_bytes) / (args.hbm_gbps * 1e9) * 1000
             attn = attention_only(model, kv, ps, t, context)
             rows.append({"batch": batch, "context": context, "ms_per_step": med, "roofline_ms": roof,
                          "attention_layer_ms": attn})
             print(f"{batch:>5} {context:>7} | {med['reference']:>9.2f} {med['kernel']:>7.2f} {med['graph']:>7.2f} "
-                  f"| {roof:>8.2f} | {attn['reference']:.3f}, {attn['kernel']:.3f}")
+                  f"{med['graph_unfused']:>7.2f} | {roof:>8.2f} | {attn['reference']:.3f}, {attn['kernel']:.3f}")
     print(f"graphs captured in {graphs.capture_s:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "capture_s": graphs.capture_s}, indent=1))

@@ -7,7 +7,9 @@ on the host per call) counts, as it does in serving. Paths:
 
 - `tma`: the default launch shapes (TMA first on Hopper with 64-token pages);
 - `plain`: the same kernel without TMA (TMA_CONFIG marked unavailable for the run);
-- `sdpa`: gather + PyTorch SDPA (`model.prefill_kernel = False`).
+- `sdpa`: gather + PyTorch SDPA (`model.prefill_kernel = False`);
+- `unfused`: `tma` with PyTorch's elementwise ops instead of `hicache.engine.fused_ops` (`model.fused_elementwise`
+  false); the other paths use the fused kernels.
 
     python3 bench/gpu/prefix_forward_bench.py [--seqs 6] [--new 1024] [--contexts 4096 8192] [--json OUT]
 """
@@ -21,8 +23,10 @@ import time
 
 import torch
 
-from hicache.engine import load_model, prefill_kernel
+from hicache.engine import fused_ops, load_model, prefill_kernel
 from hicache.engine.model import ForwardBatch
+
+PATHS = ("tma", "plain", "sdpa", "unfused")
 
 
 def step_batch(seqs: int, new: int, context: int, page_size: int, num_pages: int, vocab: int,
@@ -75,8 +79,9 @@ def main() -> None:
         batch = step_batch(args.seqs, args.new, context, ps, num_pages, model.config.vocab_size, gen)
         tokens = args.seqs * args.new
         row = {"seqs": args.seqs, "new": args.new, "context": context}
-        for path in ("tma", "plain", "sdpa"):
+        for path in PATHS:
             saved = dict(prefill_kernel._unavailable)
+            fused_ops.enabled = path != "unfused"
             model.prefill_kernel = path != "sdpa"
             if path == "plain":
                 prefill_kernel._unavailable[prefill_kernel.TMA_CONFIG] = "bench: plain shape"
@@ -89,10 +94,12 @@ def main() -> None:
             prefill_kernel._unavailable.clear()
             prefill_kernel._unavailable.update(saved)
         model.prefill_kernel = True
+        fused_ops.enabled = True
         rows.append(row)
         print(f"{args.seqs} x {args.new} new over {context}: " + ", ".join(
-            f"{p} {row[f'{p}_ms']:.1f} ms ({row[f'{p}_us_per_token']:.1f} us/token)" for p in ("tma", "plain", "sdpa"))
-            + f"; tma/plain {row['tma_ms'] / row['plain_ms']:.3f}; first shape {row['tma_shape']}")
+            f"{p} {row[f'{p}_ms']:.1f} ms ({row[f'{p}_us_per_token']:.1f} us/token)" for p in PATHS)
+            + f"; tma/plain {row['tma_ms'] / row['plain_ms']:.3f}, tma/unfused {row['tma_ms'] / row['unfused_ms']:.3f}"
+            f"; first shape {row['tma_shape']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
