@@ -5,7 +5,9 @@ decode-only replayed from a CUDA graph. Per kind: steps, forward seconds, mean s
 gap seconds (time in neither), tokens per prefill step, and the longest queue. Also: prefill steps by size (per
 1,024 prompt tokens: steps, seconds, microseconds per token; small steps cost more a token), and how many
 decode-only steps ran while loads were pending (the rest had nothing to prefill: the queue was empty or the GPU
-pool full).
+pool full), and the cost per token of prefill steps that came right after GPU pages were freed with their copy to
+host in flight (`backup_wait_pages` in that step or the one before: the compute stream waited for those copies)
+against the others.
 
 Usage: python3 bench/step_log_summary.py FILE [FILE ...]
 """
@@ -37,10 +39,22 @@ def summarise(path: str) -> dict:
         "prefill_tokens_per_step": statistics.fmean(s["prefill_tokens"] for s in prefill) if prefill else 0.0,
         "prefill_by_size": _by_size(prefill),
         "decode_only_while_loading": sum(1 for s in steps if not s["prefill_tokens"] and s["loading"] > 0),
+        "after_backup_waits": _after_backup_waits(steps),
         "first_tokens": sum(s["first_tokens"] for s in steps),
         "max_waiting": max((s["waiting"] for s in steps), default=0),
         "max_loading": max((s["loading"] for s in steps), default=0),
     }
+
+
+def _after_backup_waits(steps: list[dict]) -> dict:
+    """Prefill steps whose line or the previous one counts backup waits, against the rest: steps, us per token."""
+    split: dict[str, list[dict]] = {"after_waits": [], "others": []}
+    for i, s in enumerate(steps):
+        if s["prefill_tokens"]:
+            waited = s.get("backup_wait_pages", 0) or (i > 0 and steps[i - 1].get("backup_wait_pages", 0))
+            split["after_waits" if waited else "others"].append(s)
+    return {k: {"steps": len(v), "us_per_token": sum(s["forward_ms"] for s in v) * 1e3 / max(1, sum(
+        s["prefill_tokens"] for s in v))} for k, v in split.items()}
 
 
 def _by_size(prefill: list[dict]) -> list[dict]:
@@ -73,6 +87,10 @@ def main() -> None:
                   f"{k['mean_sequences']:5.1f} sequences on average")
         decode_only = r["kinds"]["decode-only"]["steps"] + r["kinds"]["decode-only, graph"]["steps"]
         print(f"  decode-only steps while loads were pending: {r['decode_only_while_loading']} of {decode_only}")
+        waits = r["after_backup_waits"]
+        print(f"  prefill steps after backup waits: {waits['after_waits']['steps']} "
+              f"({waits['after_waits']['us_per_token']:.1f} us/token), others: {waits['others']['steps']} "
+              f"({waits['others']['us_per_token']:.1f} us/token)")
         for row in r["prefill_by_size"]:
             print(f"  prefill steps of <= {row['up_to_tokens']:6d} tokens: {row['steps']:4d} steps, "
                   f"{row['forward_s']:6.2f} s, {row['us_per_token']:6.1f} us/token")

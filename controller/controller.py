@@ -786,6 +786,7 @@ class TierController:
             handle = self._backups.pop(p, None)
             if handle is not None and not handle.done():
                 waits[id(handle)] = handle
+                self.stats.backup_waits += 1
         for handle in waits.values():
             wait = getattr(handle, "stream_wait", None)
             if wait is not None:

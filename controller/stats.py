@@ -25,6 +25,7 @@ class CacheStats:
     prefetched_pages: int = 0  # L3 -> host reads started for queued requests
     deferred_pages: int = 0  # new GPU pages whose write-through copy to host waited for memory pressure or idle
     eviction_backups: int = 0  # GPU pages copied to host as they were evicted (compute waits for those copies)
+    backup_waits: int = 0  # GPU pages freed while their copy to host was in flight: the compute stream waited for it
 
     def moved(self, src: str, dst: str, pages: int, page_bytes: int) -> None:
         promote = TIERS.index(dst) < TIERS.index(src)
@@ -45,4 +46,5 @@ class CacheStats:
             "prefetched_pages": self.prefetched_pages,
             "deferred_pages": self.deferred_pages,
             "eviction_backups": self.eviction_backups,
+            "backup_waits": self.backup_waits,
         }

@@ -234,9 +234,10 @@ def test_eviction_waits_only_for_copies_of_the_evicted_pages():
     h.run(seq(2, 2))  # handles[1]
     copier.handles[0].landed = True
     h.run(seq(3, 2))  # evicts seq 1 (copy landed): no wait
-    assert copier.log == []
+    assert copier.log == [] and h.ctrl.stats.backup_waits == 0
     h.run(seq(4, 2))  # evicts seq 2, whose copy is still in flight: the GPU waits for that copy only
     assert copier.log == [("stream wait", copier.handles[1])]
+    assert h.ctrl.stats.backup_waits == 2  # seq 2's two pages (counted per page, one wait per copy)
     h.check_all_bytes()
     h.ctrl.check_integrity()
 

@@ -47,3 +47,17 @@ def test_summary_groups_prefill_steps_by_size_and_counts_decode_steps_behind_loa
     assert sizes == [(1024, 2, 2024), (3072, 1, 3000)]
     assert r["prefill_by_size"][0]["us_per_token"] == pytest.approx(90.0 * 1e3 / 2024)
     assert r["first_tokens"] == 3 and r["max_loading"] == 2
+
+
+def test_summary_splits_prefill_steps_after_backup_waits(tmp_path):
+    lines = [step(0.1, 1000, 0, 40.0), step(0.2, 0, 3, 8.0, graph=True), step(0.3, 1000, 0, 60.0),
+             step(0.4, 2000, 0, 100.0), step(0.5, 1000, 0, 45.0)]
+    lines[1]["backup_wait_pages"] = 4  # a decode step freed pages mid-copy: the next prefill step counts as after
+    lines[3]["backup_wait_pages"] = 2  # and this prefill step itself, and the one after it
+    # the other lines lack the field, as logs written before it did
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in lines))
+    waits = load_summary().summarise(str(path))["after_backup_waits"]
+    assert waits["after_waits"]["steps"] == 3 and waits["others"]["steps"] == 1
+    assert waits["after_waits"]["us_per_token"] == pytest.approx((60 + 100 + 45) * 1e3 / 4000)
+    assert waits["others"]["us_per_token"] == pytest.approx(40.0)

@@ -187,13 +187,15 @@ class Engine:
             "first_tokens": first_tokens,
             "waiting": len(s.waiting), "loading": len(s.loading), "running": len(s.running),
             "device_used_pages": device.used_pages(),  # cached and in use, of device.capacity_pages
+            # pages freed this step whose copy to host was still in flight: the next forward waits for those copies
+            "backup_wait_pages": self.ctrl.stats.backup_waits - before["backup_waits"],
         }) + "\n")
         self._step_log_last = now
 
     def step(self) -> list[StepOutput]:
         """Run one scheduling step and forward; returns outputs of requests that produced tokens or ended."""
         outputs, self._pending = self._pending, []
-        before = dict(self.counters) if self._step_log is not None else None
+        before = dict(self.counters, backup_waits=self.ctrl.stats.backup_waits) if self._step_log is not None else None
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         self.counters["schedule_s"] += time.perf_counter() - start

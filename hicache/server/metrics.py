@@ -33,6 +33,8 @@ CACHE_COUNTERS = (
      "or idle", "deferred_pages"),
     ("hicache_eviction_backup_pages", "GPU pages copied to host as they were evicted (the compute stream waits "
      "for them)", "eviction_backups"),
+    ("hicache_backup_wait_pages", "GPU pages freed while their copy to host was still in flight (the compute stream "
+     "waited for it)", "backup_waits"),
 )
 ENGINE_COUNTERS = (
     ("hicache_engine_steps", "Engine forward steps", "steps"),

@@ -258,6 +258,7 @@ def test_step_log_accounts_for_every_step(tiny, tmp_path):
     assert not any(s["graph"] for s in lines)  # CPU: no CUDA graphs
     assert lines[0]["waiting"] + lines[0]["running"] + lines[0]["loading"] == 3  # all queued or running at first
     assert lines[-1]["waiting"] == lines[-1]["running"] == 0 and lines[-1]["device_used_pages"] > 0
+    assert sum(s["backup_wait_pages"] for s in lines) == engine.ctrl.stats.backup_waits == 0  # CPU copies: done
     engine.close()
     assert engine._step_log is None
 
