@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hicache: config error: {e}", file=sys.stderr)
         return 2
+    except MemoryError as e:  # a host tier larger than the memory available (tiers.host_pool.HostMemoryError)
+        if e.__class__.__module__.startswith("tiers"):
+            print(f"hicache: host memory error: {e}", file=sys.stderr)
+            return 2
+        raise
     except OSError as e:  # e.g. the L3 store path: missing parent, not a directory, not writable, in use
         if e.__class__.__module__.startswith("tiers.l3"):
             print(f"hicache: L3 store error: {e.strerror or e}", file=sys.stderr)

@@ -85,6 +85,16 @@ def test_cli_reports_bad_l3_path_cleanly(tmp_path, capsys):
     assert code == 2 and "parent directory" in capsys.readouterr().err
 
 
+def test_cli_reports_a_host_tier_larger_than_memory_cleanly(capsys, monkeypatch):
+    from tiers import host_pool
+
+    monkeypatch.setattr(host_pool, "available_memory_bytes", lambda: 1 << 20)  # 1 MiB available
+    code = main(["generate", "--model", "random:tiny", "--device", "cpu", "--prompt", "hi", "--max-tokens", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "host memory error: the host pool needs" in err and "lower cache.host.size_gib" in err
+
+
 def test_l3_inspect_cli(tmp_path, capsys):
     from tiers.l3 import L3Store
 

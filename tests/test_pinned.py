@@ -1,5 +1,5 @@
 """Fast pinned allocation for the host pool (tiers/pinned.py): the parts that run without CUDA, and on CUDA the
-registered memory itself."""
+registered memory itself; a pool larger than the memory available is refused before any of it is touched."""
 
 import gc
 
@@ -66,3 +66,24 @@ def test_registered_memory_is_pinned_and_copies_both_ways():
     del t, back
     gc.collect()
     torch.cuda.synchronize()
+
+
+def test_a_host_pool_larger_than_available_memory_is_refused_clearly(monkeypatch):
+    from tiers import HostPool, KVLayout, host_pool
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, itemsize=4)  # 1 KiB pages
+    monkeypatch.setattr(host_pool, "available_memory_bytes", lambda: 100 * 1024)
+    refused = r"host pool needs .* GiB but only .* GiB of memory is available .*lower cache\.host\.size_gib"
+    with pytest.raises(MemoryError, match=refused):
+        HostPool(layout, 101, torch.float32, pin_memory=False)
+    pool = HostPool(layout, 100, torch.float32, pin_memory=False)  # exactly what is available: fine
+    assert pool.capacity_pages == 100
+    monkeypatch.setattr(host_pool, "available_memory_bytes", lambda: None)  # no /proc/meminfo: not checked
+    assert HostPool(layout, 1000, torch.float32, pin_memory=False).capacity_pages == 1000
+
+
+def test_available_memory_reads_meminfo():
+    from tiers.host_pool import available_memory_bytes
+
+    available = available_memory_bytes()
+    assert available is None or available > 0

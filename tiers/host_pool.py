@@ -14,6 +14,33 @@ from tiers.pinned import pinned_empty
 logger = logging.getLogger(__name__)
 
 
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable in /proc/meminfo), or None where
+    there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class HostMemoryError(MemoryError):
+    """The host pool asked for more memory than the machine has available."""
+
+
+def _check_fits(nbytes: int) -> None:
+    """Refuse a pool larger than the memory available now, with a clear error. The pool's pages are faulted in at
+    once (tiers/pinned.py): past the available memory that would end in the kernel's OOM killer, not an error."""
+    available = available_memory_bytes()
+    if available is not None and nbytes > available:
+        raise HostMemoryError(f"the host pool needs {nbytes / 2**30:.1f} GiB but only {available / 2**30:.1f} GiB of "
+                          "memory is available (MemAvailable in /proc/meminfo): lower cache.host.size_gib or "
+                          "cache.host.size_tokens")
+
+
 class HostPool(AllocatorBacked):
     """Page-first KV storage in host memory, pinned when CUDA is available.
 
@@ -32,6 +59,7 @@ class HostPool(AllocatorBacked):
             pin_memory = torch.cuda.is_available()
         self.pinned = pin_memory
         shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        _check_fits(num_pages * self.page_bytes)
         if pin_memory:  # faulted in by several threads, then registered at once (tiers/pinned.py)
             logger.info("pinning %.1f GiB of host memory for the host pool", num_pages * self.page_bytes / 2**30)
             self.buffer = pinned_empty(shape, dtype)
