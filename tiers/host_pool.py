@@ -36,9 +36,9 @@ def _check_fits(nbytes: int) -> None:
     once (tiers/pinned.py): past the available memory that would end in the kernel's OOM killer, not an error."""
     available = available_memory_bytes()
     if available is not None and nbytes > available:
-        raise HostMemoryError(f"the host pool needs {nbytes / 2**30:.1f} GiB but only {available / 2**30:.1f} GiB of "
-                          "memory is available (MemAvailable in /proc/meminfo): lower cache.host.size_gib or "
-                          "cache.host.size_tokens")
+        raise HostMemoryError(f"the host pool needs {nbytes / 2**30:.1f} GiB but only {available / 2**30:.1f} GiB "
+                              "of memory is available (MemAvailable in /proc/meminfo): lower cache.host.size_gib or "
+                              "cache.host.size_tokens")
 
 
 class HostPool(AllocatorBacked):
@@ -59,9 +59,10 @@ class HostPool(AllocatorBacked):
             pin_memory = torch.cuda.is_available()
         self.pinned = pin_memory
         shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
-        _check_fits(num_pages * self.page_bytes)
+        nbytes = num_pages * self.page_bytes
+        _check_fits(nbytes)
         if pin_memory:  # faulted in by several threads, then registered at once (tiers/pinned.py)
-            logger.info("pinning %.1f GiB of host memory for the host pool", num_pages * self.page_bytes / 2**30)
+            logger.info("pinning %.1f GiB of host memory for the host pool", nbytes / 2**30)
             self.buffer = pinned_empty(shape, dtype)
         else:
             self.buffer = torch.empty(shape, dtype=dtype)

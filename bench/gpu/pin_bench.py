@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import threading
 import time
 
 import torch
+
+from tiers.pinned import anonymous_buffer, touch_in_parallel
 
 
 def copy_gbps(buf: torch.Tensor, nbytes: int = 1 << 30) -> float:
@@ -76,23 +77,12 @@ def pin_register(nbytes: int, threads: int) -> dict:
 
 
 def pin_touched(nbytes: int, threads: int, huge: bool) -> dict:
-    """Fault the pages in from `threads` threads (torch releases the GIL while zeroing), then register once."""
+    """Fault the pages in from `threads` threads (tiers.pinned.touch_in_parallel), then register once; over
+    tiers.pinned.anonymous_buffer (the host pool's way) when `huge`."""
     cudart = torch.cuda.cudart()
     start = time.perf_counter()
-    keep = None
-    if huge:
-        keep = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        keep.madvise(mmap.MADV_HUGEPAGE)
-        buf = torch.frombuffer(keep, dtype=torch.uint8)
-    else:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-    step = -(-nbytes // threads)
-    slices = [buf[o : o + step] for o in range(0, nbytes, step)]
-    workers = [threading.Thread(target=torch.Tensor.zero_, args=(part,)) for part in slices]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    buf = anonymous_buffer(nbytes) if huge else torch.empty(nbytes, dtype=torch.uint8)
+    touch_in_parallel(buf, threads)
     touched = time.perf_counter()
     err = cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)
     seconds = time.perf_counter() - start
@@ -101,9 +91,6 @@ def pin_touched(nbytes: int, threads: int, huge: bool) -> dict:
            "gb_per_s": nbytes / seconds / 1e9, "errors": [str(err)] if int(err) != 0 else [],
            "pinned": buf.is_pinned(), "h2d_gbps": copy_gbps(buf)}
     cudart.cudaHostUnregister(buf.data_ptr())
-    del buf, slices
-    if keep is not None:
-        keep.close()
     return row
 
 
