@@ -9,6 +9,9 @@ pool full), and the cost per token of prefill steps that came right after GPU pa
 host in flight (`backup_wait_pages` in that step or the one before: the compute stream waited for those copies)
 against the others.
 
+With the CUDA step-log fields, each kind also shows the CPU time spent queueing its forwards (`enqueue`), the
+GPU's time from first to last kernel (`gpu`) and the compute stream's waits for copies (`wait`).
+
 Usage: python3 bench/step_log_summary.py FILE [FILE ...]
 """
 
@@ -31,7 +34,8 @@ def summarise(path: str) -> dict:
         "steps": len(steps),
         "span_s": steps[-1]["t"] - steps[0]["t"] if steps else 0.0,
         "kinds": {k: {"steps": len(v), "forward_s": sum(s["forward_ms"] for s in v) / 1e3,
-                      "mean_sequences": statistics.fmean(s["sequences"] for s in v) if v else 0.0}
+                      "mean_sequences": statistics.fmean(s["sequences"] for s in v) if v else 0.0,
+                      **_gpu_timings(v)}
                   for k, v in kinds.items()},
         "schedule_s": sum(s["schedule_ms"] for s in steps) / 1e3,
         "overlapped_s": sum(s.get("overlapped_ms", 0.0) for s in steps) / 1e3,
@@ -44,6 +48,17 @@ def summarise(path: str) -> dict:
         "max_waiting": max((s["waiting"] for s in steps), default=0),
         "max_loading": max((s["loading"] for s in steps), default=0),
     }
+
+
+def _gpu_timings(steps: list[dict]) -> dict:
+    """Seconds of CPU queueing (enqueue_ms), GPU forward (gpu_ms) and stream waits (wait_ms), over the steps that
+    have them (logs before these fields have none; gpu_ms and wait_ms are CUDA only)."""
+    out = {}
+    for field in ("enqueue_ms", "gpu_ms", "wait_ms"):
+        values = [s[field] for s in steps if field in s]
+        if values:
+            out[field[:-3] + "_s"] = sum(values) / 1e3
+    return out
 
 
 def _after_backup_waits(steps: list[dict]) -> dict:
@@ -83,7 +98,9 @@ def main() -> None:
               f"gaps {r['gap_s']:.2f} s; {r['prefill_tokens_per_step']:.0f} prompt tokens per prefill step; "
               f"{r['first_tokens']} first tokens; queues up to {r['max_waiting']} waiting, {r['max_loading']} loading")
         for kind, k in r["kinds"].items():
-            print(f"  {kind:>20}: {k['steps']:5d} steps, forward {k['forward_s']:7.2f} s, "
+            timings = "".join(f", {name[:-2]} {k[name]:.2f} s" for name in ("enqueue_s", "gpu_s", "wait_s")
+                              if name in k)
+            print(f"  {kind:>20}: {k['steps']:5d} steps, forward {k['forward_s']:7.2f} s{timings}, "
                   f"{k['mean_sequences']:5.1f} sequences on average")
         decode_only = r["kinds"]["decode-only"]["steps"] + r["kinds"]["decode-only, graph"]["steps"]
         print(f"  decode-only steps while loads were pending: {r['decode_only_while_loading']} of {decode_only}")

@@ -127,3 +127,13 @@ def test_serve_set_overrides_any_key_last():
         args = parser.parse_args(["serve", "--set", bad])
         with pytest.raises(ConfigError, match=message):
             serve_cli.build_config(args)
+
+
+def test_serve_trace_steps_window():
+    from hicache.server import cli as serve_cli
+
+    assert serve_cli._trace_window("100:20") == (100, 20)
+    assert serve_cli._trace_window("0:1") == (0, 1)
+    for bad in ("100", "a:3", "5:0", "-1:4", "3:"):
+        with pytest.raises(ConfigError, match="--trace-steps"):
+            serve_cli._trace_window(bad)

@@ -61,3 +61,15 @@ def test_summary_splits_prefill_steps_after_backup_waits(tmp_path):
     assert waits["after_waits"]["steps"] == 3 and waits["others"]["steps"] == 1
     assert waits["after_waits"]["us_per_token"] == pytest.approx((60 + 100 + 45) * 1e3 / 4000)
     assert waits["others"]["us_per_token"] == pytest.approx(40.0)
+
+
+def test_summary_adds_gpu_timings_where_the_log_has_them(tmp_path):
+    lines = [step(0.1, 1000, 0, 50.0), step(0.2, 1000, 0, 40.0), step(0.3, 0, 3, 8.0, graph=True)]
+    lines[0].update(enqueue_ms=10.0, gpu_ms=45.0, wait_ms=1.5)
+    lines[1].update(enqueue_ms=12.0, gpu_ms=30.0, wait_ms=0.5)
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in lines))
+    kinds = load_summary().summarise(str(path))["kinds"]
+    assert kinds["prefill"]["enqueue_s"] == pytest.approx(0.022) and kinds["prefill"]["gpu_s"] == pytest.approx(0.075)
+    assert kinds["prefill"]["wait_s"] == pytest.approx(0.002)
+    assert "gpu_s" not in kinds["decode-only, graph"]  # its line has no GPU fields

@@ -94,6 +94,9 @@ class Engine:
         self.staging = HostStaging(self.device) if self.device.type == "cuda" else None
         self._step_log: Any = None  # open_step_log: one JSON line per forward step
         self._step_log_start = self._step_log_last = 0.0
+        # step-log lines waiting for their GPU timing events (CUDA): written in order once the events complete
+        self._step_log_pending: list[tuple[dict[str, Any], tuple[torch.cuda.Event, ...] | None]] = []
+        self._trace: dict[str, Any] | None = None  # trace_gpu: the profiler window
         self.graphs: DecodeGraphs | None = None
         max_batch = min(cuda_graph_max_batch, config.max_running_requests)
         if max_batch > 0 and self.device.type == "cuda" and model.uses_decode_kernel(self.page_size):
@@ -163,15 +166,24 @@ class Engine:
     def open_step_log(self, path: str) -> None:
         """Append one JSON line per forward step to `path` (closed by `close`): when it ran, how long scheduling and
         the forward took, the tokens and sequences in it, the queues and GPU pages in use after it. What the
-        aggregate counters cannot show: which steps are decode-only, where the engine waits, how admission moves."""
+        aggregate counters cannot show: which steps are decode-only, where the engine waits, how admission moves.
+
+        On CUDA each line also has the GPU's view of the step, from events on the compute stream: `wait_ms`, how long
+        the stream waited for the copies the step's requests needed, and `gpu_ms`, from the forward's first kernel
+        to its last (including any time the GPU idled because the CPU queued kernels more slowly than it ran them:
+        compare with `enqueue_ms`, the CPU time spent queueing the forward). A line is written once its events
+        complete, so logging never makes the engine wait for the GPU."""
         self._step_log = open(path, "a", buffering=1)  # noqa: SIM115 - kept open until close()
         self._step_log_start = self._step_log_last = time.monotonic()
 
-    def _log_step(self, before: dict[str, Any], plan: Sequence[tuple[Request, int]], first_tokens: int) -> None:
+    def _log_step(
+        self, before: dict[str, Any], plan: Sequence[tuple[Request, int]], first_tokens: int, enqueue_s: float,
+        events: tuple[torch.cuda.Event, ...] | None,
+    ) -> None:
         now = time.monotonic()
         c, s = self.counters, self.scheduler
         device = self.ctrl.device
-        self._step_log.write(json.dumps({
+        line = {
             "t": round(now - self._step_log_start, 6),
             "gap_ms": round((now - self._step_log_last) * 1e3 - (c["schedule_s"] - before["schedule_s"]) * 1e3
                             - (c["forward_s"] - before["forward_s"]) * 1e3, 3),
@@ -180,6 +192,7 @@ class Engine:
             # busy meanwhile, unless the forward ends first
             "overlapped_ms": round((c["overlapped_s"] - before["overlapped_s"]) * 1e3, 3),
             "forward_ms": round((c["forward_s"] - before["forward_s"]) * 1e3, 3),
+            "enqueue_ms": round(enqueue_s * 1e3, 3),
             "sequences": len(plan),
             "prefill_tokens": c["prefill_tokens"] - before["prefill_tokens"],
             "decode_tokens": c["decode_tokens"] - before["decode_tokens"],
@@ -189,11 +202,76 @@ class Engine:
             "device_used_pages": device.used_pages(),  # cached and in use, of device.capacity_pages
             # pages freed this step whose copy to host was still in flight: the next forward waits for those copies
             "backup_wait_pages": self.ctrl.stats.backup_waits - before["backup_waits"],
-        }) + "\n")
+        }
         self._step_log_last = now
+        self._step_log_pending.append((line, events))
+        self._flush_step_log()
+
+    def _flush_step_log(self, wait: bool = False) -> None:
+        """Write the pending step-log lines whose GPU events completed (all of them, waiting, if `wait`), in order."""
+        pending = self._step_log_pending
+        while pending:
+            line, events = pending[0]
+            if events is not None:
+                if not wait and not events[-1].query():
+                    return
+                events[-1].synchronize()
+                before_waits, start, end = events
+                line["wait_ms"] = round(before_waits.elapsed_time(start), 3)
+                line["gpu_ms"] = round(start.elapsed_time(end), 3)
+            self._step_log.write(json.dumps(line) + "\n")
+            pending.pop(0)
+
+    def trace_gpu(self, path: str, first_step: int, steps: int) -> None:
+        """Record steps [first_step, first_step + steps) (counted from 0, forward steps only) with torch's profiler:
+        a Chrome trace at `path` (open it in Perfetto or chrome://tracing; each step is a range named after its
+        number and tokens) and a table of the busiest kernels at `path` + ".txt". For finding where a step's GPU
+        time goes; the profiler slows the traced steps a little."""
+        if first_step < 0 or steps < 1:
+            raise ValueError(f"trace_gpu: first_step must be >= 0 and steps >= 1 (got {first_step}, {steps})")
+        self._trace = {"path": path, "first": first_step, "last": first_step + steps, "profiler": None}
+
+    def _trace_begin(self) -> Any:
+        """Start the profiler when the traced window begins; the current step's range (a context manager)."""
+        t = self._trace
+        n = self.counters["steps"]
+        if t["profiler"] is None and t["first"] <= n < t["last"]:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            t["profiler"] = profile(activities=activities)
+            t["profiler"].__enter__()
+            logger.info("GPU trace: recording steps %d-%d", t["first"], t["last"] - 1)
+        if t["profiler"] is None:
+            return None
+        return torch.profiler.record_function(f"step {n}")
+
+    def _trace_end(self) -> None:
+        """Stop the profiler and write its files once the window's last step ran."""
+        t = self._trace
+        if t["profiler"] is None or self.counters["steps"] < t["last"]:
+            return
+        profiler, self._trace = t["profiler"], None
+        profiler.__exit__(None, None, None)
+        profiler.export_chrome_trace(t["path"])
+        sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        with open(t["path"] + ".txt", "w") as f:
+            f.write(profiler.key_averages().table(sort_by=sort, row_limit=60) + "\n")
+        logger.info("GPU trace written to %s (and %s.txt)", t["path"], t["path"])
 
     def step(self) -> list[StepOutput]:
         """Run one scheduling step and forward; returns outputs of requests that produced tokens or ended."""
+        if self._trace is None:
+            return self._step()
+        scope = self._trace_begin()
+        if scope is None:
+            return self._step()
+        with scope:
+            outputs = self._step()
+        self._trace_end()
+        return outputs
+
+    def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         before = dict(self.counters, backup_waits=self.ctrl.stats.backup_waits) if self._step_log is not None else None
         start = time.perf_counter()
@@ -204,6 +282,10 @@ class Engine:
             if not self.scheduler.has_work():
                 self.ctrl.idle()
             return outputs
+        events = None
+        if before is not None and self.device.type == "cuda":  # the step log's GPU timings (open_step_log)
+            events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
+            events[0].record()
         for req, _ in plan:
             if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream
                 self.ctrl.stream_wait(req.ticket)
@@ -212,7 +294,11 @@ class Engine:
         if pin is not None:
             pin()  # before the forward is queued: what admit_ahead asks for need not wait for it
         start = time.perf_counter()
+        if events is not None:
+            events[1].record()
         logits = self._forward(plan)
+        if events is not None:
+            events[2].record()
         launch = time.perf_counter()
         if self.admit_during_forward:
             self.scheduler.admit_ahead(plan)
@@ -220,6 +306,7 @@ class Engine:
         overlapped = time.perf_counter() - launch
         self.counters["schedule_s"] += overlapped
         self.counters["overlapped_s"] += overlapped
+        enqueue = launch - start
         start += overlapped  # counted as scheduling, not forward
         rows = [i for i, (req, n) in enumerate(plan) if req.computed + n == len(req.token_ids)]
         reqs = [plan[i][0] for i in rows]
@@ -241,7 +328,7 @@ class Engine:
             self._append(req, token)
             outputs.append(self._output(req))
         if before is not None:
-            self._log_step(before, plan, first_tokens)
+            self._log_step(before, plan, first_tokens, enqueue, events)
         return outputs
 
     def _forward(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
@@ -380,7 +467,11 @@ class Engine:
             self.scheduler.settle()
             if self.scheduler.draining:
                 time.sleep(0.001)
+        if self._trace is not None and self._trace["profiler"] is not None:
+            self._trace["last"] = self.counters["steps"]  # the window is cut short: write what was recorded
+            self._trace_end()
         if self._step_log is not None:
+            self._flush_step_log(wait=True)
             self._step_log.close()
             self._step_log = None
         self.cache.close()

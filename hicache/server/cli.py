@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.add_argument("--profile-engine", metavar="FILE",
                    help="profile the engine thread (cProfile) and write its stats to FILE on shutdown")
+    p.add_argument("--trace-gpu", metavar="FILE",
+                   help="record engine steps with torch's profiler: a Chrome trace at FILE, a kernel table at FILE.txt")
+    p.add_argument("--trace-steps", metavar="FIRST:COUNT", default="100:20",
+                   help="the steps --trace-gpu records: COUNT steps from step FIRST (default 100:20)")
     p.add_argument("--step-log", metavar="FILE",
                    help="append one JSON line per engine step: timings, tokens, queues (docs/server.md)")
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
@@ -105,6 +109,18 @@ def parse_settings(settings: list[str]) -> dict[str, Any]:
     return out
 
 
+def _trace_window(text: str) -> tuple[int, int]:
+    """--trace-steps FIRST:COUNT as (first, count); ConfigError names the flag if it is malformed."""
+    first, sep, count = text.partition(":")
+    try:
+        window = int(first), int(count)
+    except ValueError:
+        window = (-1, 0)
+    if not sep or window[0] < 0 or window[1] < 1:
+        raise ConfigError(f"--trace-steps {text!r}: expected FIRST:COUNT with FIRST >= 0 and COUNT >= 1, e.g. 100:20")
+    return window
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the engine, then serve until SIGINT/SIGTERM (which drain requests and close the L3 store)."""
     cfg = build_config(args)
@@ -129,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
     from hicache.engine.runner import AsyncEngine
     from hicache.server.app import create_app
 
+    trace = _trace_window(args.trace_steps) if args.trace_gpu else None
     built = build_engine(cfg)
+    if trace is not None:
+        built.trace_gpu(args.trace_gpu, *trace)
     if args.step_log:
         built.open_step_log(args.step_log)
     engine = AsyncEngine(built, profile_path=args.profile_engine)

@@ -259,8 +259,71 @@ def test_step_log_accounts_for_every_step(tiny, tmp_path):
     assert lines[0]["waiting"] + lines[0]["running"] + lines[0]["loading"] == 3  # all queued or running at first
     assert lines[-1]["waiting"] == lines[-1]["running"] == 0 and lines[-1]["device_used_pages"] > 0
     assert sum(s["backup_wait_pages"] for s in lines) == engine.ctrl.stats.backup_waits == 0  # CPU copies: done
+    assert all(0 < s["enqueue_ms"] <= s["forward_ms"] for s in lines)
+    assert not any("gpu_ms" in s or "wait_ms" in s for s in lines)  # CUDA events only
     engine.close()
     assert engine._step_log is None
+
+
+class FakeEvent:
+    """A CUDA event stand-in: completes when the test says so; elapsed_time from set timestamps."""
+
+    def __init__(self, at_ms: float, done: bool = True):
+        self.at_ms, self.done, self.synced = at_ms, done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = self.synced = True
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.at_ms - self.at_ms
+
+
+def test_step_log_writes_lines_in_order_once_their_gpu_events_complete(tiny, tmp_path):
+    """A line whose events have not completed holds back the lines after it (no waiting on the GPU); close waits."""
+    import json
+
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=256)
+    log = tmp_path / "steps.jsonl"
+    engine.open_step_log(str(log))
+    pending = engine._step_log_pending
+    slow = (FakeEvent(0.0), FakeEvent(2.5), FakeEvent(40.0, done=False))
+    pending.append(({"n": 0}, (FakeEvent(0.0), FakeEvent(0.0), FakeEvent(10.0))))
+    pending.append(({"n": 1}, slow))
+    pending.append(({"n": 2}, None))  # no events (a CPU step): still written after the one before it
+    engine._flush_step_log()
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [{"n": 0, "wait_ms": 0.0, "gpu_ms": 10.0}]
+    assert not slow[2].synced  # not waited for
+    engine._flush_step_log(wait=True)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines[1:] == [{"n": 1, "wait_ms": 2.5, "gpu_ms": 37.5}, {"n": 2}] and slow[2].synced
+    assert not pending
+    engine.close()
+
+
+def test_trace_gpu_records_the_window_of_steps(tiny, tmp_path):
+    """The profiler covers steps [first, first + count): a Chrome trace with one range per step, and a kernel
+    table; steps outside the window are not recorded, and the engine goes on untraced."""
+    import json
+
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=1024, scheduler__chunk_tokens=32)
+    path = tmp_path / "trace.json"
+    engine.trace_gpu(str(path), 2, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, n in enumerate((70, 10)):
+        engine.add_request(f"r{i}", prompt(i, n), params)
+    run_all(engine)
+    assert engine.counters["steps"] > 5 and engine._trace is None
+    events = json.loads(path.read_text())["traceEvents"]
+    steps = sorted({e["name"] for e in events if e.get("name", "").startswith("step ")})
+    assert steps == ["step 2", "step 3", "step 4"]
+    table = (tmp_path / "trace.json.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
+    engine.close()
+    with pytest.raises(ValueError, match="first_step"):
+        engine.trace_gpu(str(path), -1, 3)
 
 
 def test_pack_aligned_starts_every_part_on_16_bytes():
