@@ -10,7 +10,8 @@ host in flight (`backup_wait_pages` in that step or the one before: the compute 
 against the others.
 
 With the CUDA step-log fields, each kind also shows the CPU time spent queueing its forwards (`enqueue`), the
-GPU's time from first to last kernel (`gpu`) and the compute stream's waits for copies (`wait`).
+GPU's time from first to last kernel (`gpu`), the compute stream's waits for copies (`wait`), the engine thread's CPU
+time while queueing (`enqueue_cpu`) and garbage collection (`gc`).
 
 Usage: python3 bench/step_log_summary.py FILE [FILE ...]
 """
@@ -54,7 +55,7 @@ def _gpu_timings(steps: list[dict]) -> dict:
     """Seconds of CPU queueing (enqueue_ms), GPU forward (gpu_ms) and stream waits (wait_ms), over the steps that
     have them (logs before these fields have none; gpu_ms and wait_ms are CUDA only)."""
     out = {}
-    for field in ("enqueue_ms", "gpu_ms", "wait_ms"):
+    for field in ("enqueue_ms", "enqueue_cpu_ms", "gpu_ms", "wait_ms", "gc_ms"):
         values = [s[field] for s in steps if field in s]
         if values:
             out[field[:-3] + "_s"] = sum(values) / 1e3
@@ -98,8 +99,8 @@ def main() -> None:
               f"gaps {r['gap_s']:.2f} s; {r['prefill_tokens_per_step']:.0f} prompt tokens per prefill step; "
               f"{r['first_tokens']} first tokens; queues up to {r['max_waiting']} waiting, {r['max_loading']} loading")
         for kind, k in r["kinds"].items():
-            timings = "".join(f", {name[:-2]} {k[name]:.2f} s" for name in ("enqueue_s", "gpu_s", "wait_s")
-                              if name in k)
+            timings = "".join(f", {name[:-2]} {k[name]:.2f} s" for name in (
+                "enqueue_s", "enqueue_cpu_s", "gpu_s", "wait_s", "gc_s") if name in k)
             print(f"  {kind:>20}: {k['steps']:5d} steps, forward {k['forward_s']:7.2f} s{timings}, "
                   f"{k['mean_sequences']:5.1f} sequences on average")
         decode_only = r["kinds"]["decode-only"]["steps"] + r["kinds"]["decode-only, graph"]["steps"]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Tenth session, one device call (about 5 minutes): where the host arm's small prefill steps lose time. Target 4's
-# 8-token workload: a GPU-only run (warms the kernels, and its step log is the baseline), the host arm with the
-# step log's new GPU timings (enqueue_ms, gpu_ms, wait_ms), then the host arm again under --trace-gpu for steps
-# $TRACE (late rounds, where the GPU pool is full), summarised by bench/gpu/trace_summary.py.
+# Tenth session (about 3-5 minutes a call): where the host arm's small prefill steps lose time. Target 4's 8-token
+# workload: a GPU-only run (its step log is the baseline), the host arm with the step log's timings (enqueue_ms,
+# enqueue_cpu_ms, gc_ms, gpu_ms, wait_ms); with TRACE=FIRST:COUNT the host arm again under --trace-gpu for those
+# steps (late rounds, where the GPU pool is full), summarised by bench/gpu/trace_summary.py; with OMP1=1 the host
+# arm again with one OpenMP thread.
 # Results: $OUT/suite_session10.tgz.
 set -u
 cd "$(dirname "$0")/../.."
@@ -16,10 +17,15 @@ run() {  # name port serve-flags
 }
 run mt8_gpu_only 9001 "$GPU"
 run mt8_host 9002 "$HOST"
-run mt8_host_traced 9003 "$HOST --trace-gpu $out/host.trace.json --trace-steps ${TRACE:-120:40}"
+if [ -n "${TRACE:-}" ]; then  # call 1: a profiler window of the host arm
+  run mt8_host_traced 9003 "$HOST --trace-gpu $out/host.trace.json --trace-steps $TRACE"
+  python3 bench/gpu/trace_summary.py "$out/host.trace.json" 2>&1 | tee "$out/trace_summary.txt"
+  gzip -f "$out/host.trace.json"
+fi
+if [ -n "${OMP1:-}" ]; then  # the host arm with one OpenMP / MKL thread: do idle worker threads take the cores?
+  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 run mt8_host_omp1 9004 "$HOST"
+fi
 python3 bench/step_log_summary.py "$out"/*.steps.jsonl 2>&1 | tee "$out/steps_summary.txt"
-python3 bench/gpu/trace_summary.py "$out/host.trace.json" 2>&1 | tee "$out/trace_summary.txt"
-gzip -f "$out/host.trace.json"
 python3 - "$out" <<'PY' | tee "$out/ratios.txt"
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])

@@ -54,7 +54,7 @@ def union_ms(intervals: list[tuple[float, float]]) -> float:
 def summarise(events: list[dict]) -> list[dict]:
     steps = sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("step ")
                     and e.get("cat") in ("user_annotation", "cpu_op", None)), key=lambda e: e["ts"])
-    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and "correlation" in e.get("args", {})]
     gpu = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
            and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get("args", {})}

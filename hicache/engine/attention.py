@@ -69,6 +69,12 @@ class AttentionPlan:
     decode_mask: Tensor  # [D, 1, 1, max_len] True where the key is a real, visible token (reference path)
     prefill: list[PrefillSeq]
     kernel: DecodePlan | None = None  # the decode sequences' kernel inputs, when the kernel is used
+    # the decode rows are 0..D-1 (the engine plans decodes first): the kernel reads q[:D] and writes out[:D] in
+    # place of a gather and a scatter per layer
+    decode_first: bool = False
+    # some attention runs through SDPA (a chunk without a prefix, or the reference decode path): each layer then
+    # enters the SDPA backend context, which costs ~30 us of host time a layer and is skipped otherwise
+    sdpa: bool = True
 
 
 def slots_of(page_table: Tensor, seq_len: int, page_size: int) -> Tensor:
@@ -140,7 +146,12 @@ def plan_attention(
     if decode_tables:
         kernel = DecodePlan(page_table=pad_sequence(decode_tables, batch_first=True), seq_lens=decode_lens)
         empty = torch.empty(0, 0, dtype=torch.int64, device=device)
-        return AttentionPlan(decode_rows, empty, empty.bool()[:, None, None, :], prefill, kernel)
+        return AttentionPlan(decode_rows, empty, empty.bool()[:, None, None, :], prefill, kernel,
+                             decode_first=rows_list == list(range(len(rows_list))),
+                             sdpa=any(seq.page_table is None for seq in prefill))
+    if not rows_list and prefill and all(seq.page_table is not None for seq in prefill):  # chunks by the kernel only
+        empty = torch.empty(0, 0, dtype=torch.int64, device=device)
+        return AttentionPlan(decode_rows, empty, empty.bool()[:, None, None, :], prefill, sdpa=False)
 
     lengths = [s.numel() for s in decode_slots]
     # a multiple of 16: CUDA memory-efficient SDPA needs 16-aligned mask rows (else it falls back to math)
@@ -183,7 +194,7 @@ def paged_attention(
     v_pool[out_slots] = v
     if isinstance(plan, DecodePlan):
         return paged_decode_attention(q, kv_layer[0], kv_layer[1], plan.page_table, plan.seq_lens)
-    with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():
+    with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda and plan.sdpa else nullcontext():
         if not plan.decode_rows.numel() and len(plan.prefill) == 1:
             # the whole batch is one sequence's prefill: SDPA's output is the result, no copy into `out`
             return _attend_prefill(q, k, v, kv_layer, k_pool, v_pool, plan.prefill[0])
@@ -202,7 +213,11 @@ def _attend(
     group = num_heads // num_kv_heads
     if plan.kernel is not None:
         rows, kernel = plan.decode_rows, plan.kernel
-        out[rows] = paged_decode_attention(q[rows], kv_layer[0], kv_layer[1], kernel.page_table, kernel.seq_lens)
+        if plan.decode_first:  # rows 0..D-1: read and write them in place
+            d = rows.numel()
+            paged_decode_attention(q[:d], kv_layer[0], kv_layer[1], kernel.page_table, kernel.seq_lens, out=out[:d])
+        else:
+            out[rows] = paged_decode_attention(q[rows], kv_layer[0], kv_layer[1], kernel.page_table, kernel.seq_lens)
     elif plan.decode_rows.numel():
         # one query per sequence: the query heads of a KV group act as `group` queries on its keys
         num_decode = plan.decode_rows.numel()
@@ -213,7 +228,10 @@ def _attend(
         out[plan.decode_rows] = o_dec.reshape(num_decode, num_heads, head_dim)
 
     for seq in plan.prefill:
-        out[seq.start : seq.end] = _attend_prefill(q, k, v, kv_layer, k_pool, v_pool, seq)
+        rows = out[seq.start : seq.end]
+        result = _attend_prefill(q, k, v, kv_layer, k_pool, v_pool, seq, out=rows)
+        if result is not rows:  # SDPA's output: copy it in
+            rows.copy_(result)
 
 
 def _gathered(seq: PrefillSeq, page_size: int) -> PrefillSeq:
@@ -225,15 +243,18 @@ def _gathered(seq: PrefillSeq, page_size: int) -> PrefillSeq:
 
 
 def _attend_prefill(
-    q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, k_pool: Tensor, v_pool: Tensor, seq: PrefillSeq
+    q: Tensor, k: Tensor, v: Tensor, kv_layer: Tensor, k_pool: Tensor, v_pool: Tensor, seq: PrefillSeq,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """Attention output [end - start, num_heads, head_dim] of one sequence's new tokens (rows start:end)."""
+    """Attention output [end - start, num_heads, head_dim] of one sequence's new tokens (rows start:end); the
+    Triton kernel writes it into `out` when given (the caller copies SDPA's result, returned as a new tensor)."""
     if seq.page_table is not None:  # over a cached prefix, keys read in place by the Triton kernel
         try:
             return paged_prefix_attention(q[seq.start : seq.end], kv_layer[0], kv_layer[1], seq.page_table,
-                                          seq.seq_len)
+                                          seq.seq_len, out=out)
         except PrefixKernelUnavailable:  # not on this GPU (logged once): gather the keys for SDPA instead
-            seq = _gathered(seq, kv_layer.shape[2])
+            with sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else nullcontext():  # the plan expected no SDPA
+                return _attend_prefill(q, k, v, kv_layer, k_pool, v_pool, _gathered(seq, kv_layer.shape[2]))
     start, end, slots, mask = seq.start, seq.end, seq.slots, seq.mask
     group = q.shape[1] // k.shape[1]
     # SDPA's fused (flash / memory-efficient) kernels need 4-D [batch, heads, len, head_dim] inputs

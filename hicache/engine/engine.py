@@ -7,6 +7,7 @@ safe: drive it from one thread (see hicache.engine.runner for a background-threa
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -54,6 +55,21 @@ def pack_aligned(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[tuple[in
     return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)), offsets
 
 
+class _GcTimer:
+    """A `gc.callbacks` hook adding up the seconds garbage collections take (on whichever thread runs them)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start:
+            self.total += time.perf_counter() - self._start
+            self._start = 0.0
+
+
 class Engine:
     """Continuous-batching generation over a CacheStack; every tree/controller call happens in step()."""
 
@@ -97,6 +113,7 @@ class Engine:
         # step-log lines waiting for their GPU timing events (CUDA): written in order once the events complete
         self._step_log_pending: list[tuple[dict[str, Any], tuple[torch.cuda.Event, ...] | None]] = []
         self._trace: dict[str, Any] | None = None  # trace_gpu: the profiler window
+        self._gc_timer: _GcTimer | None = None  # the step log's garbage-collection time
         self.graphs: DecodeGraphs | None = None
         max_batch = min(cuda_graph_max_batch, config.max_running_requests)
         if max_batch > 0 and self.device.type == "cuda" and model.uses_decode_kernel(self.page_size):
@@ -171,14 +188,19 @@ class Engine:
         On CUDA each line also has the GPU's view of the step, from events on the compute stream: `wait_ms`, how long
         the stream waited for the copies the step's requests needed, and `gpu_ms`, from the forward's first kernel
         to its last (including any time the GPU idled because the CPU queued kernels more slowly than it ran them:
-        compare with `enqueue_ms`, the CPU time spent queueing the forward). A line is written once its events
-        complete, so logging never makes the engine wait for the GPU."""
+        compare with `enqueue_ms`, the wall time spent queueing the forward, and `enqueue_cpu_ms`, the engine thread's
+        CPU time in it: less CPU than wall time means the thread waited, for the GIL or for a core). `gc_ms` is the time
+        Python's garbage collector ran during the step, on any thread (it holds the GIL). A line is written once its
+        events complete, so logging never makes the engine wait for the GPU."""
         self._step_log = open(path, "a", buffering=1)  # noqa: SIM115 - kept open until close()
         self._step_log_start = self._step_log_last = time.monotonic()
+        if self._gc_timer is None:
+            self._gc_timer = _GcTimer()
+            gc.callbacks.append(self._gc_timer)
 
     def _log_step(
-        self, before: dict[str, Any], plan: Sequence[tuple[Request, int]], first_tokens: int, enqueue_s: float,
-        events: tuple[torch.cuda.Event, ...] | None,
+        self, before: dict[str, Any], plan: Sequence[tuple[Request, int]], first_tokens: int,
+        enqueue_s: tuple[float, float], events: tuple[torch.cuda.Event, ...] | None,
     ) -> None:
         now = time.monotonic()
         c, s = self.counters, self.scheduler
@@ -192,7 +214,9 @@ class Engine:
             # busy meanwhile, unless the forward ends first
             "overlapped_ms": round((c["overlapped_s"] - before["overlapped_s"]) * 1e3, 3),
             "forward_ms": round((c["forward_s"] - before["forward_s"]) * 1e3, 3),
-            "enqueue_ms": round(enqueue_s * 1e3, 3),
+            "enqueue_ms": round(enqueue_s[0] * 1e3, 3),
+            "enqueue_cpu_ms": round(enqueue_s[1] * 1e3, 3),
+            "gc_ms": round((self._gc_timer.total - before["gc_s"]) * 1e3, 3),
             "sequences": len(plan),
             "prefill_tokens": c["prefill_tokens"] - before["prefill_tokens"],
             "decode_tokens": c["decode_tokens"] - before["decode_tokens"],
@@ -273,7 +297,9 @@ class Engine:
 
     def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
-        before = dict(self.counters, backup_waits=self.ctrl.stats.backup_waits) if self._step_log is not None else None
+        before = None
+        if self._step_log is not None:
+            before = dict(self.counters, backup_waits=self.ctrl.stats.backup_waits, gc_s=self._gc_timer.total)
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         self.counters["schedule_s"] += time.perf_counter() - start
@@ -293,20 +319,20 @@ class Engine:
         pin = getattr(self.ctrl.copier, "pin_fence", None) if self.admit_during_forward else None
         if pin is not None:
             pin()  # before the forward is queued: what admit_ahead asks for need not wait for it
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         if events is not None:
             events[1].record()
         logits = self._forward(plan)
         if events is not None:
             events[2].record()
-        launch = time.perf_counter()
+        launch, launch_cpu = time.perf_counter(), time.thread_time()
         if self.admit_during_forward:
             self.scheduler.admit_ahead(plan)
         self.ctrl.launch_loads()  # loads held while scheduling (launch_loads_after_forward) start behind the forward
         overlapped = time.perf_counter() - launch
         self.counters["schedule_s"] += overlapped
         self.counters["overlapped_s"] += overlapped
-        enqueue = launch - start
+        enqueue = launch - start, launch_cpu - start_cpu
         start += overlapped  # counted as scheduling, not forward
         rows = [i for i, (req, n) in enumerate(plan) if req.computed + n == len(req.token_ids)]
         reqs = [plan[i][0] for i in rows]
@@ -473,5 +499,7 @@ class Engine:
         if self._step_log is not None:
             self._flush_step_log(wait=True)
             self._step_log.close()
+            gc.callbacks.remove(self._gc_timer)
+            self._gc_timer = None
             self._step_log = None
         self.cache.close()

@@ -191,33 +191,34 @@ def prefix_kernel_available(device: torch.device) -> bool:
 
 def paged_prefix_attention(
     q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_len: int,
-    config: PrefixKernelConfig | None = None,
+    config: PrefixKernelConfig | None = None, out: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of one sequence's new tokens (the last q.shape[0] of its seq_len) over all its keys.
 
     q: [n_new, num_heads, head_dim] (rows may be strided, head_dim contiguous); k_pool, v_pool: [num_pages,
     page_size, num_kv_heads, head_dim], one layer of the pool, the new tokens' K/V already written; page_table:
-    [>= ceil(seq_len / page_size)] integer page ids. Returns [n_new, num_heads, head_dim] in q's dtype.
+    [>= ceil(seq_len / page_size)] integer page ids. Returns [n_new, num_heads, head_dim] in q's dtype, written into
+    `out` when given (a view of that shape and dtype whose head_dim is contiguous, e.g. rows of a larger output).
     Needs `hicache.engine.decode_kernel.kernel_supported` for the device, page size and head_dim. Without `config`
     the default launch shapes are tried in turn (`default_configs`): one that does not compile or fit on this GPU
     is logged once and skipped from then on. Raises PrefixKernelUnavailable when none (or the given `config`)
     can run.
     """
     if config is not None:
-        return _launch(q, k_pool, v_pool, page_table, seq_len, config)
+        return _launch(q, k_pool, v_pool, page_table, seq_len, config, out)
     configs = default_configs(q.device, k_pool, v_pool)
     if not configs:
         raise PrefixKernelUnavailable("; ".join(sorted(set(_unavailable.values()))) or "no launch shape applies")
     for config in configs[:-1]:
         try:
-            return _launch(q, k_pool, v_pool, page_table, seq_len, config)
+            return _launch(q, k_pool, v_pool, page_table, seq_len, config, out)
         except PrefixKernelUnavailable:
             continue  # logged by _launch; the next shape
-    return _launch(q, k_pool, v_pool, page_table, seq_len, configs[-1])
+    return _launch(q, k_pool, v_pool, page_table, seq_len, configs[-1], out)
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_len: int,
-            config: PrefixKernelConfig) -> Tensor:
+            config: PrefixKernelConfig, out: Tensor | None = None) -> Tensor:
     if config in _unavailable:
         raise PrefixKernelUnavailable(_unavailable[config])
     n_new, num_heads, head_dim = q.shape
@@ -237,7 +238,11 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_l
             raise ValueError(f"the TMA kernel takes one page ({page_size} keys) a step from contiguous pools, "
                              f"not {config.block_n} keys")
         k_desc, v_desc = (_page_descriptor(pool, config) for pool in (k_pool, v_pool))
-    out = torch.empty(n_new, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(n_new, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}, head_dim "
+                         "contiguous")
     grid = (triton.cdiv(n_new, config.block_m // heads_per_block), num_heads // heads_per_block)
     try:
         _prefix_attention_kernel[grid](

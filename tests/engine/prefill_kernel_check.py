@@ -86,5 +86,44 @@ def model_cases() -> dict:
             "kernel": results[True][0], "sdpa_kv": results[False][1], "kernel_kv": results[True][1]}
 
 
+def mixed_cases() -> dict:
+    """random:tiny: one step mixing decodes, chunks over cached prefixes and a whole prompt, as the engine batches
+    them, through both kernels and through the reference path (gather + SDPA); decodes first (the engine's order:
+    the kernels read and write their rows in place) and last (gathered and scattered)."""
+    torch.manual_seed(1)
+    model, _ = load_model("random:tiny", torch.float32, torch.device("cpu"))
+    page_size = 16
+    # (cached tokens, new tokens, pages): two decodes, two chunks over prefixes, a prompt with nothing cached
+    seqs = [(40, 1, [3, 17, 8]), (21, 1, [12, 1]), (37, 30, [9, 2, 14, 5, 11]), (16, 9, [20, 6]), (0, 12, [7])]
+    prompts = [torch.randint(0, 512, (cached + new,)) for cached, new, _ in seqs]
+    kv = torch.zeros(model.kv_pool_shape(24, page_size))
+
+    def batch(order: list[int], only_cached: bool) -> ForwardBatch:
+        ids, pos, slots, seq_lens, new_lens, tables = [], [], [], [], [], []
+        for i in order:
+            cached, new, pages = seqs[i]
+            start, end = (0, cached) if only_cached else (cached, cached + new)
+            table = torch.tensor(pages)
+            p = torch.arange(start, end)
+            ids.append(prompts[i][start:end])
+            pos.append(p)
+            slots.append(table[p // page_size] * page_size + p % page_size)
+            seq_lens.append(end)
+            new_lens.append(end - start)
+            tables.append(table)
+        return ForwardBatch(torch.cat(ids), torch.cat(pos), torch.cat(slots), seq_lens, new_lens, tables)
+
+    model.prefill_kernel = model.decode_kernel = False
+    model(batch([0, 1, 2, 3], only_cached=True), kv, page_size)  # the cached prefixes
+    results = {}
+    for name, order in (("decodes first", [0, 1, 2, 3, 4]), ("decodes last", [2, 4, 3, 0, 1])):
+        for kernels in (False, True):
+            model.prefill_kernel = model.decode_kernel = kernels
+            pool = kv.clone()
+            results[name, kernels] = (model(batch(order, only_cached=False), pool, page_size), pool)
+    return {"ran": model.uses_prefill_kernel(page_size) and model.uses_decode_kernel(page_size),
+            "results": results}
+
+
 if __name__ == "__main__":
-    torch.save({"kernel": kernel_cases(), "model": model_cases()}, sys.argv[1])
+    torch.save({"kernel": kernel_cases(), "model": model_cases(), "mixed": mixed_cases()}, sys.argv[1])

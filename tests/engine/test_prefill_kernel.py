@@ -48,6 +48,22 @@ def test_model_prefill_through_kernel_matches_sdpa(interpreted: dict) -> None:
     assert torch.count_nonzero(case["kernel_kv"]) == torch.count_nonzero(case["sdpa_kv"])
 
 
+def test_mixed_step_through_both_kernels_matches_the_reference(interpreted: dict) -> None:
+    """Decodes, chunks over prefixes and a whole prompt in one step: the kernels (writing their rows of the output in
+    place when the decodes come first) give the reference path's logits and pool."""
+    case = interpreted["mixed"]
+    assert case["ran"] is True
+    results = case["results"]
+    for order in ("decodes first", "decodes last"):
+        (ref_logits, ref_pool), (logits, pool) = results[order, False], results[order, True]
+        assert logits.shape == (5, ref_logits.shape[1])
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4, msg=order)
+        torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5, msg=order)
+    # the same sequences in another order: the same logits per sequence
+    first, last = results["decodes first", True][0], results["decodes last", True][0]
+    torch.testing.assert_close(last, first[[2, 4, 3, 0, 1]], atol=1e-4, rtol=1e-4)
+
+
 def test_refuses_a_page_table_too_short_for_the_sequence() -> None:
     pytest.importorskip("triton")
     from hicache.engine.prefill_kernel import paged_prefix_attention
@@ -172,7 +188,7 @@ def test_warm_up_runs_one_chunk_over_a_prefix_through_the_kernel_path(monkeypatc
 
     calls = []
 
-    def kernel(q, k_pool, v_pool, page_table, seq_len):
+    def kernel(q, k_pool, v_pool, page_table, seq_len, out=None):
         calls.append((q.shape[0], seq_len, page_table.tolist()))
         raise PrefixKernelUnavailable("recorded")  # the layer then attends through SDPA
 

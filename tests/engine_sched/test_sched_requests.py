@@ -259,10 +259,18 @@ def test_step_log_accounts_for_every_step(tiny, tmp_path):
     assert lines[0]["waiting"] + lines[0]["running"] + lines[0]["loading"] == 3  # all queued or running at first
     assert lines[-1]["waiting"] == lines[-1]["running"] == 0 and lines[-1]["device_used_pages"] > 0
     assert sum(s["backup_wait_pages"] for s in lines) == engine.ctrl.stats.backup_waits == 0  # CPU copies: done
-    assert all(0 < s["enqueue_ms"] <= s["forward_ms"] for s in lines)
+    assert all(0 < s["enqueue_ms"] <= s["forward_ms"] and 0 <= s["enqueue_cpu_ms"] for s in lines)
+    assert all(s["gc_ms"] >= 0 for s in lines)
     assert not any("gpu_ms" in s or "wait_ms" in s for s in lines)  # CUDA events only
+    import gc
+
+    timer = engine._gc_timer
+    assert timer in gc.callbacks
+    before = timer.total
+    gc.collect()
+    assert timer.total > before  # the hook times collections
     engine.close()
-    assert engine._step_log is None
+    assert engine._step_log is None and timer not in gc.callbacks
 
 
 class FakeEvent:
