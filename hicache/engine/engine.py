@@ -7,7 +7,6 @@ safe: drive it from one thread (see hicache.engine.runner for a background-threa
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import time
@@ -25,6 +24,7 @@ from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status, StepOutput
 from hicache.engine.sampling import make_generator, sample
 from hicache.engine.scheduler import Scheduler
+from hicache.gc_stats import GcTimer
 from tiers import LaunchLater
 
 logger = logging.getLogger(__name__)
@@ -53,21 +53,6 @@ def pack_aligned(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[tuple[in
             chunks.append(np.zeros(pad, dtype=np.int64))
         at += len(part) + pad
     return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)), offsets
-
-
-class _GcTimer:
-    """A `gc.callbacks` hook adding up the seconds garbage collections take (on whichever thread runs them)."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self._start = 0.0
-
-    def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start:
-            self.total += time.perf_counter() - self._start
-            self._start = 0.0
 
 
 class Engine:
@@ -113,7 +98,7 @@ class Engine:
         # step-log lines waiting for their GPU timing events (CUDA): written in order once the events complete
         self._step_log_pending: list[tuple[dict[str, Any], tuple[torch.cuda.Event, ...] | None]] = []
         self._trace: dict[str, Any] | None = None  # trace_gpu: the profiler window
-        self._gc_timer: _GcTimer | None = None  # the step log's garbage-collection time
+        self._gc_timer: GcTimer | None = None  # the step log's garbage-collection time
         self.graphs: DecodeGraphs | None = None
         max_batch = min(cuda_graph_max_batch, config.max_running_requests)
         if max_batch > 0 and self.device.type == "cuda" and model.uses_decode_kernel(self.page_size):
@@ -195,8 +180,7 @@ class Engine:
         self._step_log = open(path, "a", buffering=1)  # noqa: SIM115 - kept open until close()
         self._step_log_start = self._step_log_last = time.monotonic()
         if self._gc_timer is None:
-            self._gc_timer = _GcTimer()
-            gc.callbacks.append(self._gc_timer)
+            self._gc_timer = GcTimer().install()
 
     def _log_step(
         self, before: dict[str, Any], plan: Sequence[tuple[Request, int]], first_tokens: int,
@@ -499,7 +483,7 @@ class Engine:
         if self._step_log is not None:
             self._flush_step_log(wait=True)
             self._step_log.close()
-            gc.callbacks.remove(self._gc_timer)
+            self._gc_timer.remove()
             self._gc_timer = None
             self._step_log = None
         self.cache.close()

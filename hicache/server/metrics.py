@@ -12,6 +12,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from hicache import gc_stats
+
 TIERS = ("device", "host", "disk")
 PROMOTIONS = (("host", "device"), ("disk", "host"), ("disk", "device"))
 DEMOTIONS = (("device", "host"), ("host", "disk"), ("device", "disk"))
@@ -146,6 +148,24 @@ class CacheCollector:
             yield CounterMetricFamily(name, doc, value=engine.get(key, 0))
 
 
+class GcCollector:
+    """Python's garbage collector, read at scrape time (`hicache.gc_stats`): a long collection stalls the engine."""
+
+    def collect(self) -> Iterator[Metric]:
+        g = gc_stats.snapshot()
+        collections = CounterMetricFamily("hicache_gc_collections", "Garbage collections by generation",
+                                          labels=["generation"])
+        for generation, n in enumerate(g["collections"]):
+            collections.add_metric([str(generation)], n)
+        yield collections
+        yield CounterMetricFamily("hicache_gc_seconds", "Seconds spent in garbage collection (the GIL is held)",
+                                  value=g["seconds"])
+        yield GaugeMetricFamily("hicache_gc_longest_pause_seconds", "The longest single garbage collection",
+                                value=g["longest_s"])
+        yield GaugeMetricFamily("hicache_gc_frozen_objects", "Objects moved out of garbage collection at startup "
+                                "(gc.freeze)", value=g["frozen"])
+
+
 class ServerMetrics:
     """The server's registry: the cache collector plus request histograms and counters."""
 
@@ -153,6 +173,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.cache = CacheCollector(page_bytes)
         self.registry.register(self.cache)
+        self.registry.register(GcCollector())
         r = self.registry
         self.ttft = Histogram("hicache_time_to_first_token_seconds", "Time from request arrival to the first token",
                               buckets=TTFT_BUCKETS, registry=r)

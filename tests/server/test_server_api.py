@@ -115,6 +115,10 @@ def test_metrics_exposition(server, client) -> None:
     assert 0 < overlapped <= metric(values, "hicache_engine_schedule_seconds_total")
     assert metric(values, "hicache_time_to_first_token_seconds_count") >= 1
     assert metric(values, "hicache_requests_total", finish_reason="length") >= 1
+    # garbage collection: startup's objects frozen out of it (thousands: modules, model, app), collections timed
+    assert metric(values, "hicache_gc_frozen_objects") > 10_000
+    assert metric(values, "hicache_gc_collections_total", generation="0") > 0
+    assert 0 < metric(values, "hicache_gc_longest_pause_seconds") <= metric(values, "hicache_gc_seconds_total")
 
 
 def test_32_concurrent_clients(server) -> None:
