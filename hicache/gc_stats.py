@@ -51,7 +51,8 @@ _process_timer: GcTimer | None = None
 
 
 def process_timer() -> GcTimer:
-    """The process-wide timer behind the server's GC metrics, installed on first use."""
+    """The process-wide timer behind the server's GC metrics, installed on first use (serve installs it once startup
+    is frozen: the freeze's own full collection, ~0.15 s for the 8B server's ~330k objects, is not a serving pause)."""
     global _process_timer
     if _process_timer is None:
         _process_timer = GcTimer().install()

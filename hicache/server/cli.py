@@ -146,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
     from hicache.engine.runner import AsyncEngine
     from hicache.server.app import create_app
 
-    gc_stats.process_timer()  # /metrics reports garbage-collection pauses
     trace = _trace_window(args.trace_steps) if args.trace_gpu else None
     built = build_engine(cfg)
     if trace is not None:
@@ -158,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         s = cfg.server
         app = create_app(engine, cfg, s.served_model_name or cfg.model.name, s.api_key, s.trace_log)
         gc_stats.freeze_startup()  # the model, the cache stack and the app live as long as the process
+        gc_stats.process_timer()  # /metrics reports the collections from here on (serving, not startup)
         config = uvicorn.Config(app, host=s.host, port=s.port, log_config=None, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
         logger.info("serving %s on http://%s:%d (auth %s)", cfg.model.name, s.host, s.port,
