@@ -149,9 +149,6 @@ def plan_attention(
         return AttentionPlan(decode_rows, empty, empty.bool()[:, None, None, :], prefill, kernel,
                              decode_first=rows_list == list(range(len(rows_list))),
                              sdpa=any(seq.page_table is None for seq in prefill))
-    if not rows_list and prefill and all(seq.page_table is not None for seq in prefill):  # chunks by the kernel only
-        empty = torch.empty(0, 0, dtype=torch.int64, device=device)
-        return AttentionPlan(decode_rows, empty, empty.bool()[:, None, None, :], prefill, sdpa=False)
 
     lengths = [s.numel() for s in decode_slots]
     # a multiple of 16: CUDA memory-efficient SDPA needs 16-aligned mask rows (else it falls back to math)
@@ -167,6 +164,7 @@ def plan_attention(
         decode_slots=slot_matrix,
         decode_mask=mask[:, None, None, :],
         prefill=prefill,
+        sdpa=bool(decode_slots) or any(seq.page_table is None for seq in prefill),
     )
 
 

@@ -232,9 +232,9 @@ class Engine:
 
     def trace_gpu(self, path: str, first_step: int, steps: int) -> None:
         """Record steps [first_step, first_step + steps) (counted from 0, forward steps only) with torch's profiler:
-        a Chrome trace at `path` (open it in Perfetto or chrome://tracing; each step is a range named after its
-        number and tokens) and a table of the busiest kernels at `path` + ".txt". For finding where a step's GPU
-        time goes; the profiler slows the traced steps a little."""
+        a Chrome trace at `path` (open it in Perfetto or chrome://tracing; each step is a range named `step N`) and
+        a table of the busiest kernels at `path` + ".txt". For finding where a step's GPU time goes; the profiler
+        slows the traced steps a little."""
         if first_step < 0 or steps < 1:
             raise ValueError(f"trace_gpu: first_step must be >= 0 and steps >= 1 (got {first_step}, {steps})")
         self._trace = {"path": path, "first": first_step, "last": first_step + steps, "profiler": None}

@@ -198,3 +198,32 @@ def test_warm_up_runs_one_chunk_over_a_prefix_through_the_kernel_path(monkeypatc
     model.prefill_kernel = True
     assert warm_up_prefix_kernel(model, 16) > 0
     assert calls == [(16, 32, [0, 1])] * model.config.num_layers
+
+
+def test_plan_marks_decodes_planned_first_and_steps_without_sdpa() -> None:
+    """plan_attention's flags: decode rows 0..D-1 are read and written in place; a step whose attention all runs
+    through the kernels skips the SDPA backend context."""
+    from hicache.engine.attention import plan_attention
+
+    def tables_for(seq_lens):
+        starts = [0]
+        for n in seq_lens:
+            starts.append(starts[-1] + -(-n // 16))
+        return [torch.arange(a, b) for a, b in zip(starts, starts[1:])]
+
+    def plan(seq_lens, new_lens, prefill_kernel=True):
+        positions = torch.cat([torch.arange(n - k, n) for n, k in zip(seq_lens, new_lens)])
+        return plan_attention(positions, seq_lens, new_lens, tables_for(seq_lens), 16, decode_kernel=True,
+                              prefill_kernel=prefill_kernel)
+
+    first = plan([20, 9, 30], [1, 1, 12])  # two decodes, then a chunk over a prefix
+    assert first.decode_first and not first.sdpa and first.decode_rows.tolist() == [0, 1]
+    last = plan([30, 20, 9], [12, 1, 1])  # the chunk first: its rows precede the decodes
+    assert not last.decode_first and not last.sdpa and last.decode_rows.tolist() == [12, 13]
+    whole = plan([20, 9, 12], [1, 1, 12])  # a prompt with nothing cached goes through SDPA
+    assert whole.decode_first and whole.sdpa
+    assert plan([20, 9, 30], [1, 1, 12], prefill_kernel=False).sdpa  # chunks gathered for SDPA
+    chunks_only = plan([30, 16, 25], [12, 4, 5])
+    assert not chunks_only.sdpa and chunks_only.kernel is None
+    reference = plan_attention(torch.tensor([19, 8]), [20, 9], [1, 1], tables_for([20, 9]), 16)  # no decode kernel
+    assert reference.sdpa and not reference.decode_first
