@@ -14,11 +14,11 @@ from hicache.engine import load_model
 from hicache.engine.model import ForwardBatch, LlamaModel
 
 
-def run_interpreted(script: str, out: Path) -> dict:
-    """Run tests/engine/<script> OUT.pt under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
+def run_interpreted(script: str, out: Path, *args: str) -> dict:
+    """Run tests/engine/<script> OUT.pt [ARGS] under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
     Triton is imported, hence a subprocess) and load the results it saved."""
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve().parent / script), str(out)],
+        [sys.executable, str(Path(__file__).resolve().parent / script), str(out), *args],
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]

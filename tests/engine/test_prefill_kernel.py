@@ -15,6 +15,14 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return run_interpreted("prefill_kernel_check.py", tmp_path_factory.mktemp("kernel") / "results.pt")
 
 
+@pytest.fixture(scope="module")
+def interpreted_mixed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The mixed step in its own subprocess: it needs the decode kernel under the interpreter too, which Triton 3.6's
+    interpreter cannot run (the H200 machine's; CI's 3.9 can), and the prefix kernel's checks need not fail with it."""
+    pytest.importorskip("triton", reason="the prefix and decode kernels are written in Triton")
+    return run_interpreted("prefill_kernel_check.py", tmp_path_factory.mktemp("mixed") / "results.pt", "mixed")
+
+
 def causal_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq_len: int, page_size: int):
     """The last q.shape[0] positions of a seq_len-token sequence attending to keys up to their own, directly."""
     new, heads, head_dim = q.shape
@@ -48,10 +56,10 @@ def test_model_prefill_through_kernel_matches_sdpa(interpreted: dict) -> None:
     assert torch.count_nonzero(case["kernel_kv"]) == torch.count_nonzero(case["sdpa_kv"])
 
 
-def test_mixed_step_through_both_kernels_matches_the_reference(interpreted: dict) -> None:
+def test_mixed_step_through_both_kernels_matches_the_reference(interpreted_mixed: dict) -> None:
     """Decodes, chunks over prefixes and a whole prompt in one step: the kernels (writing their rows of the output in
     place when the decodes come first) give the reference path's logits and pool."""
-    case = interpreted["mixed"]
+    case = interpreted_mixed
     assert case["ran"] is True
     results = case["results"]
     for order in ("decodes first", "decodes last"):
