@@ -6,6 +6,7 @@ set -u
 name=$1 port=$2 serve_flags=$3 client=$4
 out=${OUT:-/tmp}
 log=$out/$name.server.log
+# shellcheck disable=SC2086  # SERVE FLAGS is a list of flags
 ${PYTHON:-python3} -m hicache.cli serve --config "${CONFIG:-configs/h200-llama8b.yaml}" --port "$port" $serve_flags >"$log" 2>&1 &
 pid=$!
 URL=http://127.0.0.1:$port

@@ -1,0 +1,251 @@
+#!/usr/bin/env bash
+# GPU benchmarks by named workload (bench/RESULTS.md cites the workload behind each of its numbers):
+#
+#   bash bench/gpu/run.sh WORKLOAD
+#
+# Every workload writes its logs and results into one archive, $OUT/WORKLOAD.tgz ($OUT: the folder the device tool
+# returns; ./out when unset). Settings come from the environment, defaults in brackets. Each step runs under its own
+# time limit, so the archive is written even when one of them hangs.
+#
+#   cudatests  the CUDA tests (engine, kernels, tiers, pinned memory, L3 round trip), and the engine smoke run eager and
+#              with CUDA graphs (the greedy digests must agree). TESTS [those test files]
+#   micro      host <-> GPU page transfers against a raw pinned copy; engine prefill against a bare PyTorch stack; the
+#              L3 store against raw O_DIRECT (8 MiB pages, 32- and 128-page calls); the decode step; host pool
+#              pinning; the copy-engine queueing probe. PARTS [transfer prefill l3 decode pin copyq], PROFILE=1
+#              profiles the prefill bench
+#   kernels    the Triton alignment recompile (first, in a fresh process); the prefix attention kernel's launch-shape
+#              sweep; a whole prefill step by attention path and with/without the fused elementwise kernels; cuDNN's
+#              attention; the GEMM rate; the CPU cost of queueing a forward. PARTS [align attention step cudnn gemm
+#              enqueue]
+#   ttft       multi-turn TTFT through the server: 32 clients x 8 rounds x 1,024-token questions, GPU KV 8 GiB; a
+#              whole GPU-only warm-up run (WARMUP [1]), then ARMS [gpu_only host gpu_only host host_l3] (host: 48 GiB;
+#              host_l3: 12 GiB host + 30 GiB L3), each with a step log; GPU clocks logged. OUT_LEN [8] answer
+#              tokens; EXTRA: more serve flags for every arm; TRACE=FIRST:COUNT adds a host run under --trace-gpu
+#   noloss     no reuse: single-turn random prompts, tiers off, then host 16 GiB + L3 24 GiB once per write-through
+#              deferral in DEFERS [0.25 1.0]; cases NR_CASES [2k 32k] (32 x 2k in / 256 out, 8 x 32k in / 8 out);
+#              PROFILE=1 adds an engine-thread profile of the 32k case with the tiers on; EXTRA as above
+#   l3prefix   an 8,192-token prefix back from L3 against recomputing it: tiers off, auto, auto + overlap (ALWAYS=1
+#              adds always-load)
+#   inprocess  bench/gpu/tier_overhead.py, no server: the no-reuse cost of write-through (fresh and full GPU pool,
+#              kernel tables) and a multi-turn run's GPU timeline (rounds 2, 3 and 6). PARTS [noreuse multiturn]
+set -u
+workload=${1:-}
+case $workload in
+  cudatests | micro | kernels | ttft | noloss | l3prefix | inprocess) ;;
+  *) sed -n '2,/^set -u/p' "$0" | sed '$d' >&2; exit 2 ;;
+esac
+base=${OUT:-./out}
+mkdir -p "$base"
+base=$(cd "$base" && pwd)
+cd "$(dirname "$0")/../.." || exit 1
+# results go to $OUT/$workload (serve_and_bench.sh and the clients write into $OUT), packed into one archive at exit
+export OUT=$base/$workload
+rm -rf "$OUT"
+mkdir -p "$OUT"
+smi=
+pack() {
+  [ -n "$smi" ] && kill "$smi" 2>/dev/null
+  tar czf "$base/$workload.tgz" -C "$base" "$workload" && rm -rf "$OUT" && echo "results: $base/$workload.tgz"
+}
+trap pack EXIT
+
+PARTS=${PARTS:-}
+part() { [ -z "$PARTS" ] || [[ " $PARTS " == *" $1 "* ]]; }
+EXTRA=${EXTRA:-}
+
+# serve NAME PORT LIMIT_S FILTER "SERVE FLAGS" "CLIENT COMMAND": one server, one client ($URL, $OUT set), its
+# output in NAME.out and the lines matching FILTER on the console
+serve() {
+  timeout "$3" bash bench/gpu/serve_and_bench.sh "$1" "$2" "$5" "$6" 2>&1 | tee "$OUT/$1.out" | grep -E "$4"
+}
+
+# summary GLOB BASELINE: one line per client JSON (in run order) with its ratios to the runs whose names contain
+# BASELINE and share its first name field (mt8, nr2k, ...), the engine's forward and scheduling seconds from the
+# server's metrics, and the per-round TTFT p50 of multi-round runs
+summary() {
+  python3 - "$OUT" "$1" "$2" <<'PY' | tee "$OUT/summary.txt"
+import json, pathlib, sys
+
+out, glob, key = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+paths = sorted(out.glob(glob), key=lambda p: p.stat().st_mtime)
+runs = {p.stem: json.loads(p.read_text()) for p in paths}
+
+
+def metric(stem, name):
+    p = out / f"{stem}.metrics.txt"
+    for line in p.read_text().splitlines() if p.exists() else []:
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return float("nan")
+
+
+for k, r in runs.items():
+    o = r["overall"]
+    t = o["ttft_ms"]
+    group = k.split("_")[0]
+    bases = {b: v["overall"] for b, v in runs.items() if key in b and b.split("_")[0] == group}
+    hits = o.get("cache_hit_rate_per_tier", {})
+    line = (f"{k:22s} {o['duration_s']:6.2f} s  TTFT p50 {t['p50']:7.1f}  p90 {t['p90']:7.1f}  mean {t['mean']:7.1f} ms"
+            f"  in {o['input_tokens_per_s']:7.0f} tok/s  hits "
+            + " ".join("%s %.1f%%" % (tier, 100 * v) for tier, v in hits.items())
+            + "  forward %.2f s  sched %.2f s" % (metric(k, "hicache_engine_forward_seconds_total"),
+                                                  metric(k, "hicache_engine_schedule_seconds_total")))
+    for b, bo in bases.items():
+        if b != k:
+            line += (f"  / {b}: p50 {t['p50'] / bo['ttft_ms']['p50']:.3f} mean {t['mean'] / bo['ttft_ms']['mean']:.3f}"
+                     f" p90 {t['p90'] / bo['ttft_ms']['p90']:.3f}"
+                     f" in {o['input_tokens_per_s'] / bo['input_tokens_per_s']:.3f}")
+    if len(r["rounds"]) > 1:
+        line += "  per-round p50 " + ",".join("%.0f" % x["ttft_ms"]["p50"] for x in r["rounds"])
+    print(line)
+PY
+}
+
+cudatests() {
+  local tests=(tests/engine/test_engine_cuda.py tests/engine/test_decode_kernel.py tests/engine/test_prefill_kernel.py
+    tests/engine/test_fused_ops.py tests/engine/test_host_io.py tests/test_tiers.py tests/test_pinned.py
+    tests/l3/test_l3_roundtrip.py)
+  [ -n "${TESTS:-}" ] && read -r -a tests <<<"$TESTS"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$OUT/cuda_tests.txt" | tail -12
+  for graphs in 0 8; do
+    timeout 90 python3 bench/engine_sched_smoke.py --device cuda --page-size 16 --graphs $graphs --load-mode always \
+      2>&1 | tee "$OUT/smoke_graphs$graphs.txt" | tail -1
+  done
+}
+
+micro() {
+  part transfer && timeout 100 python3 bench/transfer_bench.py --json "$OUT/transfer.json" 2>&1 |
+    tee "$OUT/transfer.txt" | tail -8
+  local profile=()
+  [ "${PROFILE:-0}" = 1 ] && profile=(--profile)
+  part prefill && timeout 150 python3 bench/prefill_bench.py --tokens 2048 8192 ${profile[@]+"${profile[@]}"} \
+    --json "$OUT/prefill.json" 2>&1 | tee "$OUT/prefill.txt" | tail -12
+  if part l3; then
+    for batch in 32 128; do
+      timeout 120 python3 bench/l3_bench.py --dir /tmp --page-bytes 8388608 --pages 256 --batch $batch --threads 8 \
+        --repeats 2 --backends posix kvikio --json "$OUT/l3_b$batch.json" 2>&1 | tee "$OUT/l3_b$batch.txt" | tail -9
+    done
+  fi
+  part decode && timeout 150 python3 bench/decode_bench.py --batch-sizes "${BATCHES:-1,8,32}" \
+    --contexts "${CONTEXTS:-1024,8192}" --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.txt" | tail -12
+  part pin && timeout 120 python3 bench/gpu/pin_bench.py --gib 16 --threads 1,8,16 --json "$OUT/pin.json" 2>&1 |
+    tee "$OUT/pin.txt" | tail -8
+  part copyq && timeout 60 python3 bench/gpu/copy_engine_probe.py --out "$OUT/copy_engine.json" 2>&1 |
+    tee "$OUT/copy_engine.txt"
+}
+
+kernels() {
+  # first, in a fresh process: the compile times it reports need kernels not yet compiled in this process
+  part align && timeout 120 python3 bench/gpu/align_probe.py 2>&1 | tee "$OUT/align.txt"
+  part attention && timeout 300 python3 bench/gpu/prefix_attention_bench.py --sweep --contexts 1024,4096,8192 \
+    --repeats 15 --json "$OUT/prefix_attention.json" 2>&1 | tee "$OUT/prefix_attention.txt" | tail -12
+  if part step; then
+    timeout 150 python3 bench/gpu/prefix_forward_bench.py --seqs 6 --contexts 1024 4096 8192 \
+      --json "$OUT/prefill_step_6seqs.json" 2>&1 | tee "$OUT/prefill_step_6seqs.txt" | tail -8
+    timeout 120 python3 bench/gpu/prefix_forward_bench.py --seqs 1 --contexts 1024 8192 \
+      --json "$OUT/prefill_step_1seq.json" 2>&1 | tee "$OUT/prefill_step_1seq.txt" | tail -6
+  fi
+  part cudnn && timeout 120 python3 bench/gpu/cudnn_attention_probe.py --json "$OUT/cudnn.json" 2>&1 |
+    tee "$OUT/cudnn.txt" | tail -8
+  part gemm && timeout 120 python3 bench/gpu/gemm_probe.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt"
+  part enqueue && timeout 200 python3 bench/gpu/forward_overhead.py --reps 8 --json "$OUT/forward_overhead.json" \
+    2>&1 | tee "$OUT/forward_overhead.txt" | tail -10
+}
+
+ttft() {
+  local n=${OUT_LEN:-8} port=8100 i=0 name flags
+  local client="python3 -m hicache.cli bench multiturn --url \$URL --clients 32 --rounds 8 --request-length 1024"
+  local gpu="--device-tokens 65536 --host-tokens 0 --no-l3"
+  local host="--device-tokens 65536 --host-tokens 393216 --no-l3"
+  local host_l3="--device-tokens 65536 --host-tokens 98304 --disk-tokens 245760 --l3-path /tmp/hicache-l3"
+  # SM clock, temperature and power every 2 s: the GPU-only runs sit at the board's power limit
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu --format=csv \
+    -l 2 >"$OUT/gpu_clocks.csv" 2>/dev/null &
+  smi=$!
+  # a first server on a fresh machine runs 13-16% slower (compiles, cold caches): a whole run, not counted
+  [ "${WARMUP:-1}" = 1 ] && serve warmup_gpu_only $port 170 "==" "$gpu $EXTRA" \
+    "$client --output-length $n --json \$OUT/warmup_gpu_only.json"
+  for arm in ${ARMS:-gpu_only host gpu_only host host_l3}; do
+    i=$((i + 1))
+    case $arm in
+      gpu_only) flags=$gpu ;;
+      host) flags=$host ;;
+      host_l3) flags=$host_l3 ; rm -rf /tmp/hicache-l3 ;;
+      *) echo "ttft: unknown arm $arm (gpu_only, host, host_l3)"; continue ;;
+    esac
+    name=mt${n}_${arm}_$i
+    serve "$name" $((port + i)) 170 "==|metrics" "$flags $EXTRA --step-log $OUT/$name.steps.jsonl" \
+      "$client --output-length $n --json \$OUT/$name.json"
+  done
+  rm -rf /tmp/hicache-l3
+  if [ -n "${TRACE:-}" ]; then  # a window of the host arm's steps under torch's profiler
+    name=mt${n}_host_traced
+    serve "$name" $((port + 20)) 200 "==|metrics" "$host $EXTRA --trace-gpu $OUT/host.trace.json --trace-steps $TRACE" \
+      "$client --output-length $n --json \$OUT/$name.json"
+    python3 bench/gpu/trace_summary.py "$OUT/host.trace.json" 2>&1 | tee "$OUT/trace_summary.txt"
+    gzip -f "$OUT/host.trace.json"
+  fi
+  kill "$smi" 2>/dev/null
+  smi=
+  python3 bench/step_log_summary.py "$OUT"/mt*.steps.jsonl 2>&1 | tee "$OUT/steps_summary.txt"
+  grep -h "gc.freeze\|froze" "$OUT"/*.server.log >"$OUT/gc_freeze.txt" 2>/dev/null
+  grep -h "^hicache_gc_" "$OUT"/*.metrics.txt >"$OUT/gc_metrics.txt" 2>/dev/null
+  grep -h "pinned\|pinning" "$OUT"/*.server.log >"$OUT/pinning.txt" 2>/dev/null
+  summary "mt*.json" gpu_only
+}
+
+noloss() {
+  local port=8200 c clients len outlen d
+  local on="--device-tokens 262144 --host-tokens 131072 --disk-tokens 196608 --l3-path /tmp/hicache-l3-nr"
+  local off="--device-tokens 262144 --host-tokens 0 --no-l3"
+  declare -A cases=([2k]="32 2048 256" [32k]="8 32768 8")
+  nr() {  # name serve-flags
+    port=$((port + 1))
+    serve "$1" $port 170 "==|Error" "$2 $EXTRA" "python3 -m hicache.cli bench multiturn --url \$URL --clients $clients \
+--rounds 1 --request-length $len --output-length $outlen --seed 7 --json \$OUT/$1.json"
+  }
+  for c in ${NR_CASES:-2k 32k}; do
+    [ -n "${cases[$c]:-}" ] || { echo "noloss: unknown case $c (2k, 32k)"; continue; }
+    read -r clients len outlen <<<"${cases[$c]}"
+    nr "nr${c}_off" "$off"
+    for d in ${DEFERS:-0.25 1.0}; do
+      rm -rf /tmp/hicache-l3-nr
+      nr "nr${c}_on_d$d" "$on --set cache.write_policy.defer_above_free=$d"
+    done
+  done
+  rm -rf /tmp/hicache-l3-nr
+  if [ "${PROFILE:-0}" = 1 ]; then  # the engine thread of the 32k case with the tiers on, under cProfile
+    read -r clients len outlen <<<"${cases[32k]}"
+    serve prof_nr32k_on $((port + 20)) 120 "==|Error" "$on $EXTRA --profile-engine $OUT/nr32k_engine.prof" \
+      "python3 -m hicache.cli bench multiturn --url \$URL --clients $clients --rounds 1 --request-length $len \
+--output-length $outlen --seed 7 --json \$OUT/prof_nr32k_on.json"
+    [ -f "$OUT/nr32k_engine.prof" ] && python3 -c "
+import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(45)" "$OUT/nr32k_engine.prof" \
+      >"$OUT/nr32k_engine.txt" 2>&1
+    rm -rf /tmp/hicache-l3-nr
+  fi
+  summary "nr*.json" _off
+}
+
+l3prefix() {
+  local client="python3 bench/gpu/l3_vs_recompute.py --url \$URL --prefix-tokens 8192 --evictors 6 --rounds 3"
+  local small="--device-tokens 16384 --host-tokens 16384 --disk-tokens 131072 --l3-path /tmp/hicache-l3-r"
+  l3r() {  # name port serve-flags
+    rm -rf /tmp/hicache-l3-r
+    serve "$1" "$2" 110 "^round|median|==|Error" "$3" "$client --json \$OUT/$1.json"
+  }
+  l3r l3r_off 8301 "--device-tokens 16384 --host-tokens 0 --no-l3"
+  l3r l3r_auto 8302 "$small --load-mode auto"
+  l3r l3r_overlap 8303 "$small --load-mode auto --load-overlap"
+  [ "${ALWAYS:-0}" = 1 ] && l3r l3r_always 8304 "$small --load-mode always"
+  rm -rf /tmp/hicache-l3-r
+}
+
+inprocess() {
+  part noreuse && timeout 330 python3 bench/gpu/tier_overhead.py no-reuse --out "$OUT" --cases 2k --steady --profile \
+    2>&1 | grep -v -e USDT -e Warning | tee "$OUT/no_reuse.log" | grep -E '^(2k|32k|profiled|results)'
+  part multiturn && timeout 250 python3 bench/gpu/tier_overhead.py multiturn --out "$OUT" --rounds 7 \
+    --profile-round 2,3,6 2>&1 | grep -v -e USDT -e Warning | tee "$OUT/multiturn.log" | grep -E 'round|results'
+}
+
+"$workload"
