@@ -1,6 +1,6 @@
 """Host-side (Python) cost of the tier controller's commit / write-through path, per committed page, on CPU.
 
-Replays the no-reuse 32k case of bench/gpu/suite_t45.sh (8 requests x 32,768-token prompts, 64-token pages,
+Replays the no-reuse 32k case of `bench/gpu/run.sh noloss` (8 requests x 32,768-token prompts, 64-token pages,
 8,192-token prefill chunks = 128 pages, a GPU pool of exactly 4,096 pages, 2,048 host pages, 3,072 L3 pages)
 against a real TierController on tiny CPU pages (4 KiB, so copies cost next to nothing and what is timed is the
 controller's Python). Per engine step it makes the calls the scheduler makes: `begin_step`, `poll`, `alloc_device`

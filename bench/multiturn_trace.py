@@ -1,7 +1,7 @@
-"""Write a multi-turn trace in Mooncake format: conversations taking turns in a fixed order, each turn resending
-its history plus a new question (the shape of `hicache bench multiturn`, issue 7's target 4), for
-`hicache replay`. Blocks of --block-tokens tokens; the last, partial block of a turn is unique to that turn (its
-tokens change when the next turn fills it).
+"""Write a multi-turn trace in Mooncake format: conversations taking turns in a fixed order, each turn resending its
+history plus a new question (the shape of `hicache bench multiturn` in bench/RESULTS.md, 'Multi-turn TTFT, host tier
+vs GPU only'), for `hicache replay`. Blocks of --block-tokens tokens; the last, partial block of a turn is unique to
+that turn (its tokens change when the next turn fills it).
 
     python bench/multiturn_trace.py --out /tmp/mt32x8.jsonl   # 32 x 8 rounds x (1,024 + 8) tokens, 64-token blocks
 """

@@ -112,8 +112,8 @@ def test_cuda_copier_puts_nothing_on_the_compute_stream():
     host = HostPool(layout, 262, torch.bfloat16, pin_memory=True)
     copier = CudaPageCopier(dev, host, mode="dma")
     # first uses happen here, not while the copies below are in flight: lazy kernel loading, and the copier's
-    # first pinned page-id buffers (a fresh pinned allocation may wait for the device). Run cold on a fresh H200
-    # this test failed once (eighth session) and passed in earlier sessions
+    # first pinned page-id buffers (a fresh pinned allocation may wait for the device): without this warm-up the
+    # test failed once, run cold as the first CUDA work on a fresh H200
     marker = torch.ones(4, device="cuda") * 2
     copier.to_device([258, 259], [258, 259]).wait()
     torch.cuda.synchronize()

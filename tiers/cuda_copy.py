@@ -21,7 +21,8 @@ import torch
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
 
-STAGING_BYTES = 64 << 20  # per staging buffer; two of them (256 MiB measured no faster: bench/RESULTS.md)
+# per staging buffer; two of them (256 MiB measured no faster: bench/RESULTS.md, 'Host <-> GPU page transfers')
+STAGING_BYTES = 64 << 20
 ZERO_COPY_MAX_PAGE_BYTES = 1 << 20  # below this page size the mapped-memory kernels win (bench/transfer_bench.py)
 
 

@@ -2,9 +2,9 @@
 
 Triton specialises pointer arguments on 16-byte alignment. Before `hicache.engine.engine.pack_aligned`, a step's page
 tables were views at any int64 offset of one uploaded array, and the H200 step logs showed one or two prefill steps
-per server run 0.3-0.5 s slower than their size explains (bench/RESULTS.md, ninth session). In a fresh process this
-times: a first call (compile), a second call with an aligned table, then the first call with a table one int64
-further on (8-byte aligned), then a second such call.
+per server run 0.3-0.5 s slower than their size explains (bench/RESULTS.md, 'Triton alignment recompile'). In a fresh
+process this times: a first call (compile), a second call with an aligned table, then the first call with a table one
+int64 further on (8-byte aligned), then a second such call.
 
 Usage (H200): python3 bench/gpu/align_probe.py
 """

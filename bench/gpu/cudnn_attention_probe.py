@@ -1,9 +1,9 @@
 """Would cuDNN's attention beat the Triton prefix kernel? One layer of prefill over a cached prefix, timed.
 
-The Triton kernel (hicache.engine.prefill_kernel) reads the paged pool in place and reached 377 TFLOPS at 8k
-context on the H200 (bench/RESULTS.md, eighth session); FA3-class kernels reach ~600. PyTorch's SDPA has a cuDNN
-backend whose Hopper kernels are of that class, but it wants contiguous K/V and has no bottom-right causal mask.
-This probe times, per context length (1,024 new tokens, Llama-3.1-8B heads, bf16, 64-token pages scattered over
+The Triton kernel (hicache.engine.prefill_kernel) reads the paged pool in place and reached 377 TFLOPS at 8k context
+on the H200 (bench/RESULTS.md, 'Prefix attention kernel'); FA3-class kernels reach ~600. PyTorch's SDPA has a cuDNN
+backend whose Hopper kernels are of that class, but it wants contiguous K/V and has no bottom-right causal mask. This
+probe times, per context length (1,024 new tokens, Llama-3.1-8B heads, bf16, 64-token pages scattered over
 the pool):
 - `triton`: the default prefix kernel, in place;
 - `gather`: only copying the sequence's K and V out of the pool (what every cuDNN variant below pays first);

@@ -1,6 +1,6 @@
-"""The CPU cost of queueing one forward step against its GPU time, for the step shapes of target 4's host arm.
+"""The CPU cost of queueing one forward step against its GPU time, for the step shapes of the multi-turn host arm.
 
-In the server's step log (tenth session) the host arm's small prefill steps took as long to queue on the CPU
+In the server's step log (`serve --step-log`) the host arm's small prefill steps took as long to queue on the CPU
 (`enqueue_ms`) as the GPU took to run them (`gpu_ms`): such a step is bound by Python, not by the GPU. This bench
 runs the same kind of step in isolation: SEQS prefill chunks of NEW tokens over CONTEXT cached tokens plus DECODES
 decoding sequences at DCONTEXT tokens, through `LlamaModel.forward` (random weights of the real shapes, bf16). Per

@@ -1,8 +1,8 @@
 """How fast cuBLAS runs the projections of a Llama-3.1-8B layer (bf16), against a large square GEMM on the same GPU.
 
 The engine's prefill steps are GEMM-bound (about two thirds of a step's GPU time at 1-8k tokens). This probe times
-`F.linear` for each projection at the token counts of target 4's steps, so the gap to the square GEMM's rate is the
-most any GEMM tuning could recover.
+`F.linear` for each projection at the token counts of the multi-turn benchmark's prefill steps, so the gap to the
+square GEMM's rate is the most any GEMM tuning could recover.
 
     python3 bench/gpu/gemm_probe.py [--tokens 1024 2048 4096 8192] [--json OUT]
 """

@@ -1,4 +1,4 @@
-"""TTFT of a prompt whose prefix sits on L3, against recomputing it (issue 7, target 6).
+"""TTFT of a prompt whose prefix sits on L3, against recomputing it (bench/RESULTS.md, 'L3 prefix vs recompute').
 
 Against a running server: send prompt P (unique, --prefix-tokens long) once, then --evictors other
 prompts of the same length so P's pages leave the GPU and host tiers (the server must be sized so),

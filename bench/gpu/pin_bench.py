@@ -1,6 +1,6 @@
 """How fast can the host pool's memory be pinned? Startup with a 48 GiB host tier spent 28-36 s pinning it on the
-H200 machine with torch's pinned allocation (bench/RESULTS.md, seventh session); `tiers/pinned.py` (huge-touch, the
-host pool's allocation since the ninth session) took 2.0-7.9 s. This times, for --gib of memory:
+H200 machine with torch's pinned allocation; `tiers/pinned.py` (huge-touch, the host pool's allocation) takes
+2.0-7.9 s (bench/RESULTS.md, 'Host pool pinning'). This times, for --gib of memory:
 
   torch        torch.empty(..., pin_memory=True), the host pool's allocation before tiers/pinned.py;
   register-N   a pageable torch.empty, then cudaHostRegister of N equal slices from N threads at once;

@@ -1,4 +1,5 @@
-"""What the tiers cost when nothing is reused, and where a multi-turn run spends its GPU time (issue 7, targets 4-5).
+"""What the tiers cost when nothing is reused, and where a multi-turn run spends its GPU time (bench/RESULTS.md,
+'In-process tier cost'; the served figures: 'No-reuse overhead', 'Multi-turn TTFT, host tier vs GPU only').
 
 In-process, without the server: one model (random weights of real shapes), a fresh engine per arm, the same
 random prompts in every arm of a case. Two modes:

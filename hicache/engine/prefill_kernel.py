@@ -1,16 +1,15 @@
 """Prefill attention over a cached prefix in Triton: the new tokens' queries read K/V straight from the pool.
 
-With a cached prefix, the SDPA path (`hicache.engine.attention`) first gathers the sequence's whole context
-out of the paged pool into a contiguous copy, then runs flash attention with a bottom-right causal mask. On
-the H200 that flash kernel ran at ~206 TFLOPS for 1,024 new tokens over a 7k-token context (bench/RESULTS.md,
-sixth session), as long as all of the round's GEMMs. This kernel walks the page table instead: one program per
-(block of new tokens, query head or whole GQA group), a block of keys gathered through the page table per step
-of an online softmax, the causal mask applied only on the steps that reach the block's own positions.
+With a cached prefix, the SDPA path (`hicache.engine.attention`) first gathers the sequence's whole context out of
+the paged pool into a contiguous copy, then runs flash attention with a bottom-right causal mask. This kernel walks
+the page table instead: one program per (block of new tokens, query head or whole GQA group), a block of keys
+gathered through the page table per step of an online softmax, the causal mask applied only on the steps that reach
+the block's own positions.
 
-On by default (`model.prefill_attention: triton`): on the H200 it takes 0.50-0.62x of the gather + SDPA path's
-time (bench/RESULTS.md, seventh session), and its TMA launch shape (Hopper, 64-token pages) 0.69x at 4k-8k context
-(eighth session). Inputs are device tensors; nothing here syncs with the host. Runs on
-CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
+On by default (`model.prefill_attention: triton`): on the H200, for 1,024 new tokens over 4k-8k cached tokens,
+its TMA launch shape (Hopper, 64-token pages) takes 0.68-0.69x of the gather + SDPA path's time and the plain shape
+0.70-0.77x (bench/RESULTS.md, 'Prefix attention kernel'). Inputs are device tensors; nothing here syncs with the
+host. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
 """
 
 from __future__ import annotations
@@ -145,9 +144,10 @@ class PrefixKernelConfig:
     tma: bool = False
 
 
-# the H200 sweeps' fastest (`bench/gpu/prefix_attention_bench.py --sweep`, bench/RESULTS.md), 1,024 new tokens:
-# - without TMA (any GPU Triton supports): 0.267 / 0.436 ms over 4k / 8k keys (0.70x / 0.77x of SDPA in the eighth
-#   session's sweep; 335 TFLOPS at 8k); GQA packing made no difference;
+# the H200 sweep's fastest (`bench/gpu/prefix_attention_bench.py --sweep`, bench/RESULTS.md, 'Prefix attention
+# kernel'), 1,024 new tokens:
+# - without TMA (any GPU Triton supports): 0.267 / 0.436 ms over 4k / 8k keys (0.70x / 0.77x of SDPA in the same
+#   sweep; 335 TFLOPS at 8k); GQA packing made no difference;
 # - with TMA (Hopper and later, 64-token pages: one page a step): 0.258 / 0.388 ms (377 TFLOPS at 8k).
 CUDA_CONFIG = PrefixKernelConfig(block_m=64, block_n=64, pack_gqa=False, num_warps=4, num_stages=2)
 TMA_CONFIG = PrefixKernelConfig(block_m=128, block_n=64, pack_gqa=False, num_warps=4, num_stages=2, tma=True)
