@@ -5,7 +5,8 @@
 #
 # Every workload writes its logs and results into one archive, $OUT/WORKLOAD.tgz ($OUT: the folder the device tool
 # returns; ./out when unset). Settings come from the environment, defaults in brackets. Each step runs under its own
-# time limit, so the archive is written even when one of them hangs.
+# time limit, so the archive is written even when one of them hangs; where a whole workload would not fit one device
+# command (micro, kernels), PARTS runs some of its steps.
 #
 #   cudatests  the CUDA tests (engine, kernels, tiers, pinned memory, L3 round trip), and the engine smoke run eager and
 #              with CUDA graphs (the greedy digests must agree). TESTS [those test files]
