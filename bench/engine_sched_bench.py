@@ -54,7 +54,7 @@ def main() -> None:
         return torch.randint(100, vocab, (n,), generator=gen).tolist()
 
     print(f"model {args.model} on {args.device}, dtype {engine.model.dtype}, torch threads {torch.get_num_threads()}")
-    print(f"calibrated prefill: {engine.ctrl.cost.prefill_tokens_per_s:.0f} tokens/s")
+    print(f"calibrated prefill: {engine.cache.controller.cost.prefill_tokens_per_s:.0f} tokens/s")
     engine.add_request("warm", prompt(64), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     timed_steps(engine)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -48,8 +48,8 @@ def main() -> None:
             done += out.finished
             if temperature.get(out.request_id) == 0.0:
                 greedy.setdefault(out.request_id, []).extend(out.new_token_ids)
-        engine.ctrl.check_integrity()
-    ctrl = engine.ctrl
+        engine.cache.controller.check_integrity()
+    ctrl = engine.cache.controller
     assert done == args.requests and not ctrl._private
     assert ctrl.device.used_pages() == len(ctrl.tree.owned_pages("device"))
     stats = engine.stats()

@@ -5,6 +5,19 @@ from controller.cost import CostModel
 from controller.l3_io import L3Worker
 from controller.policy import WritePolicy
 from controller.stats import CacheStats
-from controller.ticket import FAILED, LoadTicket
+from controller.ticket import LoadTicket, PrefetchHold
+from controller.transfers import FAILED, PREFETCHED, DiskLoad, Transfers
 
-__all__ = ["FAILED", "CacheStats", "CostModel", "L3Worker", "LoadTicket", "TierController", "WritePolicy"]
+__all__ = [
+    "FAILED",
+    "PREFETCHED",
+    "CacheStats",
+    "CostModel",
+    "DiskLoad",
+    "L3Worker",
+    "LoadTicket",
+    "PrefetchHold",
+    "TierController",
+    "Transfers",
+    "WritePolicy",
+]

@@ -1,50 +1,11 @@
-"""A request's claim on a cached prefix (LoadTicket) and the transfer markers kept in TreeNode.pending."""
+"""A request's claim on a cached prefix (LoadTicket) and a queued request's prefetch (PrefetchHold)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from controller.transfers import Transfers
 from radix import TreeNode
-from tiers.copy import CompletedTransfer
-
-
-class _Marker(CompletedTransfer):
-    """A state kept in TreeNode.pending that, like a finished transfer, has nothing to wait for."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-# the node's data could not be loaded; it will be removed
-FAILED = _Marker("FAILED")
-# the node's host copy was read from L3 for a queued request and has not been loaded since (so the request's
-# hit counts as a disk hit: the bytes came from L3)
-PREFETCHED = _Marker("PREFETCHED")
-
-
-class DiskLoad:
-    """Marker in TreeNode.pending while an L3 -> host read for the node is in flight.
-
-    `to_device`: the read continues to the node's GPU pages (a request's load); a prefetch for a queued
-    request stops in host memory unless a request claims the node before the read lands. `prefetch`: started
-    by `TierController.prefetch` (its node is pinned by a PrefetchHold; a request's loads are locked by its ticket).
-    `eta`: when the read is expected to land (monotonic seconds; the cost model's view of the disk queue).
-    """
-
-    def __init__(self, host_pages: list[int], to_device: bool = True, prefetch: bool = False, eta: float = 0.0):
-        self.host_pages = host_pages
-        self.to_device = to_device
-        self.prefetch = prefetch
-        self.eta = eta
-
-    def done(self) -> bool:
-        return False
-
-    def wait(self) -> None:
-        raise RuntimeError("wait on a disk load: call TierController.wait_ticket instead")
 
 
 @dataclass
@@ -75,6 +36,7 @@ class LoadTicket:
     stay put (nodes are split, never merged), so the parts are found by page position.
     """
 
+    transfers: Transfers  # the controller's transfer state, which says when the prefix's pages have landed
     node: TreeNode  # deepest locked node (the root when nothing is cached)
     matched_pages: int  # pages the tree (and L3) had
     hit_pages: dict[str, int] = field(default_factory=dict)  # pages used per fastest tier at match time
@@ -100,7 +62,7 @@ class LoadTicket:
         """GPU page ids of the used prefix, in order (no gap left: see prefix_pages / tail_pages)."""
         if self.gap is not None:
             raise ValueError(f"ticket has an uncommitted gap {self.gap}: use prefix_pages and tail_pages")
-        return [p for n in self.nodes for p in n.loc[0]]
+        return [p for n in self.nodes for p in n.device_pages]
 
     def part(self, start: int, end: int) -> list[TreeNode]:
         """The nodes of pages [start, end) of the prefix (start and end on node boundaries)."""
@@ -118,23 +80,23 @@ class LoadTicket:
 
     def prefix_pages(self) -> list[int]:
         """GPU page ids of pages [0, k)."""
-        return [p for n in self.prefix_nodes for p in n.loc[0]]
+        return [p for n in self.prefix_nodes for p in n.device_pages]
 
     def tail_pages(self) -> list[int]:
         """GPU page ids of pages [s, n), loading while the caller computes the gap (empty without one)."""
         if self.gap is None:
             return []
-        return [p for n in self.part(self.gap[1], self.num_pages) for p in n.loc[0]]
+        return [p for n in self.part(self.gap[1], self.num_pages) for p in n.device_pages]
 
     @property
     def failed(self) -> bool:
-        return any(n.pending is FAILED for n in self.nodes)
+        return any(self.transfers.failed(n) for n in self.nodes)
 
     def ready(self) -> bool:
         """True once every page of the prefix is on the GPU (or a load failed: see `failed`); gap nodes
         count as ready unless another request started loading them."""
-        return all(n.pending is None or n.pending.done() for n in self.nodes)
+        return all(self.transfers.ready(n) for n in self.nodes)
 
     def prefix_ready(self) -> bool:
         """True once pages [0, k) are on the GPU (the gap may be computed then)."""
-        return all(n.pending is None or n.pending.done() for n in self.prefix_nodes)
+        return all(self.transfers.ready(n) for n in self.prefix_nodes)

@@ -12,7 +12,7 @@ import torch
 from controller import CostModel, L3Worker, TierController, WritePolicy, calibrate
 from hicache.config import Config, ConfigError, ResolvedSizes, resolve_sizes
 from radix import RadixTree, namespace_fingerprint
-from tiers import DevicePool, HostPool, KVLayout, MetadataPool, make_copier
+from tiers import DevicePool, HostPool, KVLayout, make_copier
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class CacheStack:
     layout: KVLayout
     namespace: bytes
     l3: Any | None
+    kv: Any  # the GPU pool's KV tensor, which the model's forward reads and writes
 
     def close(self) -> None:
         self.controller.close()
@@ -71,20 +72,20 @@ def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None
     )
 
 
-def calibrate_bandwidths(controller: TierController, cfg: Config) -> None:
-    """Measure host->GPU and L3->GPU bandwidth for the cost model where the config leaves them unset."""
+def calibrate_bandwidths(cost: CostModel, cfg: Config, device: DevicePool, host: HostPool | None, copier: Any,
+                         l3: Any | None) -> CostModel:
+    """The cost model with host->GPU and L3->GPU bandwidths measured where the config leaves them unset."""
     lp = cfg.cache.load_policy
-    if lp.mode != "auto" or controller.host is None or controller.copier is None:
-        return
-    cost = controller.cost
+    if lp.mode != "auto" or host is None:
+        return cost
     if lp.host_to_device_gbps is None:
-        bw = calibrate.host_to_device_bandwidth(controller.copier, controller.device, controller.host)
-        cost = dataclasses.replace(cost, host_to_device_bytes_per_s=bw)
-    if lp.disk_to_device_gbps is None and controller.l3 is not None:
-        bw = calibrate.disk_to_device_bandwidth(controller.l3, controller.copier, controller.device, controller.host)
-        cost = dataclasses.replace(cost, disk_to_device_bytes_per_s=bw)
-    controller.cost = cost
+        cost = dataclasses.replace(cost, host_to_device_bytes_per_s=calibrate.host_to_device_bandwidth(
+            copier, device, host))
+    if lp.disk_to_device_gbps is None and l3 is not None:
+        cost = dataclasses.replace(cost, disk_to_device_bytes_per_s=calibrate.disk_to_device_bandwidth(
+            l3, copier, device, host))
     logger.info("cost model: %s", cost.describe())
+    return cost
 
 
 def build_cache(
@@ -93,56 +94,45 @@ def build_cache(
     dtype: str,
     device: torch.device | str,
     namespace: dict | None = None,
-    metadata_only: bool = False,
     prefill_tokens_per_s: float | None = None,
 ) -> CacheStack:
-    """Create the pools, the L3 store (when configured) and the controller for one model rank.
-
-    metadata_only builds page-id pools with no bytes and an in-memory L3 index (the replay tool).
-    """
+    """Create the pools, the L3 store (when configured) and the controller for one model rank."""
     sizes = resolve_sizes(cfg, layout.bytes_per_token)
     ns = namespace_fingerprint(namespace or {})
     tree = RadixTree(cfg.cache.page_size, ns, cfg.cache.eviction_policy)
     if sizes.disk_pages and not sizes.host_pages:
         raise ConfigError("cache.l3: the disk tier needs a host tier (cache.host size > 0): "
                           "pages reach L3 through host memory")
-    l3 = None
-    if metadata_only:
-        device_pool: Any = MetadataPool(sizes.device_pages, layout.page_bytes, "device")
-        host_pool: Any = MetadataPool(sizes.host_pages, layout.page_bytes, "host") if sizes.host_pages else None
-        copier = None
-        if sizes.disk_pages:
-            from tiers.metadata_pool import MetadataL3
+    device_pool = DevicePool(layout, sizes.device_pages, TORCH_DTYPES[dtype], device)
+    host_pool = HostPool(layout, sizes.host_pages, TORCH_DTYPES[dtype]) if sizes.host_pages else None
+    copier = make_copier(device_pool, host_pool) if host_pool is not None else None
+    l3 = worker = None
+    if sizes.disk_pages:
+        from tiers.l3 import L3Store
 
-            l3 = MetadataL3(sizes.disk_pages)
-        worker = L3Worker(l3, synchronous=True) if l3 is not None else None
-    else:
-        device_pool = DevicePool(layout, sizes.device_pages, TORCH_DTYPES[dtype], device)
-        host_pool = HostPool(layout, sizes.host_pages, TORCH_DTYPES[dtype]) if sizes.host_pages else None
-        copier = make_copier(device_pool, host_pool) if host_pool is not None else None
-        worker = None
-        if sizes.disk_pages:
-            from tiers.l3 import L3Store
-
-            c = cfg.cache.l3
-            slot_bytes = -(-layout.page_bytes // 4096) * 4096  # slots are 4 KiB aligned
-            # small pages need many per sync: one fdatasync + LMDB commit per 32 x 64 KiB ran at 0.1 of raw
-            sync_pages = c.sync_batch_pages or max(32, SYNC_BATCH_BYTES // layout.page_bytes)
-            l3 = L3Store(
-                c.path, sizes.disk_pages * slot_bytes, layout.page_bytes, ns,
-                io_backend=c.io_backend, io_threads=c.io_threads, sync_batch_pages=sync_pages,
-                admission_hits=c.admission_hits,
-            )
-            worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=sync_pages)
+        c = cfg.cache.l3
+        slot_bytes = -(-layout.page_bytes // 4096) * 4096  # slots are 4 KiB aligned
+        # small pages need many per sync: one fdatasync + LMDB commit per 32 x 64 KiB ran at 0.1 of raw
+        sync_pages = c.sync_batch_pages or max(32, SYNC_BATCH_BYTES // layout.page_bytes)
+        l3 = L3Store(
+            c.path, sizes.disk_pages * slot_bytes, layout.page_bytes, ns,
+            io_backend=c.io_backend, io_threads=c.io_threads, sync_batch_pages=sync_pages,
+            admission_hits=c.admission_hits,
+        )
+        worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=sync_pages)
+    cost = calibrate_bandwidths(cost_model(cfg, layout, prefill_tokens_per_s), cfg, device_pool, host_pool,
+                                copier, l3)
+    sched = cfg.scheduler
     controller = TierController(
-        tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost_model(cfg, layout, prefill_tokens_per_s),
-        worker, min(sizes.disk_pages, l3.capacity_pages) if l3 is not None else None,
+        tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost, worker,
+        min(sizes.disk_pages, l3.capacity_pages) if l3 is not None else None,
         prefetch=cfg.cache.load_policy.prefetch,
+        launch_later=sched.launch_loads_after_forward or sched.admit_during_forward,
     )
-    if not metadata_only:
-        calibrate_bandwidths(controller, cfg)
+    if controller.launch_later:
+        logger.info("page loads start once each step's forward is queued (scheduler.launch_loads_after_forward)")
     logger.info(
         "cache: page %d tokens x %d bytes; device %d pages, host %d pages, disk %d pages",
         layout.page_size, layout.page_bytes, sizes.device_pages, sizes.host_pages, sizes.disk_pages,
     )
-    return CacheStack(controller, sizes, layout, ns, l3)
+    return CacheStack(controller, sizes, layout, ns, l3, device_pool.kv)

@@ -48,7 +48,6 @@ class TreeNode:
         "last_access",
         "hit_count",
         "frequency",
-        "pending",
         "id",
     )
 
@@ -66,7 +65,6 @@ class TreeNode:
         self.last_access = 0
         self.hit_count = 0
         self.frequency = 0.0  # references, decayed to last_access (the "lrfu" policy); see RadixTree.touch
-        self.pending: Any = None  # transfer handle a reader must wait on before using device pages
         self.id = next(TreeNode._ids)
 
     @property
@@ -76,6 +74,44 @@ class TreeNode:
     def pages(self, tier: str) -> list[Any] | None:
         """Page ids of this node in `tier` (L3 keys for the disk tier), or None."""
         return self.loc[_TIER_INDEX[tier]]
+
+    @property
+    def device_pages(self) -> list[int] | None:
+        """GPU page ids, or None when the GPU holds no copy."""
+        return self.loc[0]
+
+    @property
+    def host_pages(self) -> list[int] | None:
+        """Host page ids, or None when host memory holds no copy."""
+        return self.loc[1]
+
+    @property
+    def disk_keys(self) -> list[bytes] | None:
+        """L3 keys, or None when the L3 holds no copy."""
+        return self.loc[2]
+
+    @property
+    def on_device(self) -> bool:
+        return self.loc[0] is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.loc[1] is not None
+
+    @property
+    def on_disk(self) -> bool:
+        return self.loc[2] is not None
+
+    @property
+    def removed(self) -> bool:
+        """Whether the node has left the tree (its parent link is cut; the root has none either)."""
+        return self.parent is None
+
+    def drop_locations(self) -> None:
+        """Forget every location of a node the tree has removed (its pages were freed)."""
+        if self.parent is not None:
+            raise ValueError(f"{self} is still in the tree: clear its locations through the tree")
+        self.loc = [None, None, None]
 
     def in_tier(self, tier: str) -> bool:
         return self.loc[_TIER_INDEX[tier]] is not None
@@ -146,6 +182,9 @@ class RadixTree:
         self.pages_in = [0, 0, 0]  # pages resident per tier
         self._leaves: list[set[TreeNode]] = [set(), set(), set()]  # evictable-leaf candidates per tier
         self._heaps: list[list[tuple[Any, int, TreeNode]]] = [[], [], []]
+        # called as listener(upper, lower) whenever a node is split: state kept beside the tree per node (the
+        # controller's transfers table) follows the pages into both parts
+        self.split_listeners: list[Callable[[TreeNode, TreeNode], None]] = []
 
     # ------------------------------------------------------------------ lookup
 
@@ -297,13 +336,14 @@ class RadixTree:
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
         mid.frequency = child.frequency
-        mid.pending = child.pending
         child.tokens = child.tokens[k * ps :]
         child.keys = child.keys[k:]
         child.loc = [None if p is None else p[k:] for p in child.loc]
         parent.children[mid.tokens[:ps]] = mid
         mid.children[child.tokens[:ps]] = child
         child.parent = mid
+        for listener in self.split_listeners:
+            listener(mid, child)
         return mid
 
     # ------------------------------------------------------------------ residency

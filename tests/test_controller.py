@@ -26,14 +26,20 @@ def page_value(tokens: tuple[int, ...], page: int) -> float:
 class Harness:
     """A controller on tiny CPU pools, with an engine stand-in that computes 'KV' deterministically."""
 
-    def __init__(self, device=4, host=8, disk=16, policy=None, cost=None, l3=None):
+    def __init__(self, device=4, host=8, disk=16, policy=None, cost=None, l3=None, copier=None, worker=None,
+                 prefetch=True):
         self.dev = DevicePool(LAYOUT, device, torch.float32, "cpu")
         self.host = HostPool(LAYOUT, host, torch.float32) if host else None
         self.l3 = l3 if l3 is not None else (MemoryL3(disk, LAYOUT.page_bytes) if disk else None)
-        copier = PageCopier(self.dev, self.host) if self.host else None
-        worker = L3Worker(self.l3, synchronous=True) if self.l3 is not None else None
+        if copier is not None:
+            copier = copier(self.dev, self.host)
+        elif self.host:
+            copier = PageCopier(self.dev, self.host)
+        self.copier = copier
+        if self.l3 is not None:
+            worker = worker(self.l3) if worker is not None else L3Worker(self.l3, synchronous=True)
         self.ctrl = TierController(RadixTree(LAYOUT.page_size), self.dev, self.host, self.l3, copier, policy,
-                                   cost, worker)
+                                   cost, worker, prefetch=prefetch)
 
     def run(self, tokens: list[int]) -> dict[str, int]:
         """One request: acquire, verify cached bytes, compute the rest, commit, release."""
@@ -66,12 +72,12 @@ class Harness:
             first = len(tokens) // LAYOUT.page_size - node.num_pages
             for j in range(node.num_pages):
                 want = page_value(tokens, first + j)
-                if node.loc[0] is not None:
-                    assert torch.all(self.dev.kv[:, :, node.loc[0][j]] == want)
-                if node.loc[1] is not None:
-                    assert torch.all(self.host.buffer[node.loc[1][j]] == want)
-                if node.loc[2] is not None and isinstance(self.l3, MemoryL3):
-                    raw = self.l3.data.get(node.loc[2][j])
+                if node.device_pages is not None:
+                    assert torch.all(self.dev.kv[:, :, node.device_pages[j]] == want)
+                if node.host_pages is not None:
+                    assert torch.all(self.host.buffer[node.host_pages[j]] == want)
+                if node.disk_keys is not None and isinstance(self.l3, MemoryL3):
+                    raw = self.l3.data.get(node.disk_keys[j])
                     if raw is not None:  # the stand-in may have dropped it on its own cap
                         got = torch.frombuffer(bytearray(raw), dtype=torch.float32)
                         assert torch.all(got == want)
@@ -106,7 +112,7 @@ def test_deferred_write_through_waits_for_the_pool_to_fill():
     h = Harness(device=8, host=16, disk=32, policy=DEFER)
     h.run(seq(1, 2))  # 6 of 8 GPU pages free (> half): the copy waits
     assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 2
-    assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node.loc[1] is None
+    assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node.host_pages is None
     h.run(seq(2, 2))  # 4 free after allocating (not above half): every waiting copy starts, then this one
     assert h.host.used_pages() == 4 and h.ctrl.stats.deferred_pages == 2
     assert h.ctrl.stats.pages_demoted[(DEVICE, HOST)] == 4 and h.l3.used_pages() == 4  # write-through to disk too
@@ -133,7 +139,7 @@ def test_deferred_write_through_copies_when_idle():
     h.ctrl.idle()  # the engine has nothing to run: every page still waiting is copied
     tree = h.ctrl.tree
     assert h.host.used_pages() == 3
-    assert all(node.loc[1] is not None for node in tree.nodes() if node.loc[0] is not None)
+    assert all(node.host_pages is not None for node in tree.nodes() if node.device_pages is not None)
     assert h.ctrl.flush_backups() == 0
     h.check_all_bytes()
 
@@ -142,25 +148,25 @@ def test_deferred_backlog_starts_a_slice_per_step():
     """Once the pool fills, the backlog starts one slice (whole nodes) per engine step, oldest first, while new
     commits are copied at once; idle steps drain the rest a slice at a time."""
     h = Harness(device=16, host=32, disk=0, policy=DEFER)
-    h.ctrl.flush_slice_pages = 2
+    h.ctrl.writes.flush_slice_pages = 2
     for base in (1, 2, 3):
-        h.ctrl.begin_step()
+        h.ctrl.writes.begin_step()
         h.run(seq(base, 2))
     assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 6
 
     def backed() -> dict[int, bool]:
         tree = h.ctrl.tree
-        return {base: tree.match_prefix(seq(base, 2), touch=False).last_node.loc[1] is not None for base in (1, 2, 3)}
+        return {base: tree.match_prefix(seq(base, 2), touch=False).last_node.on_host for base in (1, 2, 3)}
 
-    h.ctrl.begin_step()
+    h.ctrl.writes.begin_step()
     h.run(seq(4, 3))  # free falls to 7 of 16: seq 1 starts at allocation (the step's slice); seq 4 is copied at once
     assert backed() == {1: True, 2: False, 3: False} and h.host.used_pages() == 5
     h.ctrl.idle()  # same step: its slice is spent
     assert h.host.used_pages() == 5
-    h.ctrl.begin_step()
+    h.ctrl.writes.begin_step()
     h.ctrl.idle()
     assert backed() == {1: True, 2: True, 3: False} and h.host.used_pages() == 7
-    h.ctrl.begin_step()
+    h.ctrl.writes.begin_step()
     h.ctrl.idle()
     assert h.host.used_pages() == 9 and h.ctrl.flush_backups() == 0
     h.check_all_bytes()
@@ -227,9 +233,8 @@ class SlowCopier(PageCopier):
 
 
 def test_eviction_waits_only_for_copies_of_the_evicted_pages():
-    h = Harness(device=4, host=8, disk=0)
-    copier = SlowCopier(h.dev, h.host)
-    h.ctrl.copier = copier
+    h = Harness(device=4, host=8, disk=0, copier=SlowCopier)
+    copier = h.copier
     h.run(seq(1, 2))  # its backup copy: handles[0]
     h.run(seq(2, 2))  # handles[1]
     copier.handles[0].landed = True
@@ -256,21 +261,21 @@ class GatedL3(MemoryL3):
 
 def test_l3_write_in_flight_holds_host_pages_not_gpu_pages():
     l3 = GatedL3(32, LAYOUT.page_bytes)
-    h = Harness(device=4, host=4, l3=l3)
-    h.ctrl.worker = L3Worker(l3, threads=1)  # asynchronous: the write blocks on the gate
+    # an asynchronous worker: the write blocks on the gate
+    h = Harness(device=4, host=4, l3=l3, worker=lambda store: L3Worker(store, threads=1))
     try:
         h.run(seq(1, 3))  # 3 pages on GPU and host, their L3 write in flight
         node = h.ctrl.tree.match_prefix(seq(1, 3), touch=False).last_node
-        assert node.loc[0] is not None and node.loc[1] is not None and node.pin_ref == 1
+        assert node.device_pages is not None and node.host_pages is not None and node.pin_ref == 1
         gpu = h.ctrl.alloc_device(4)  # needs the written pages' GPU copies: they may go
-        assert gpu is not None and len(gpu) == 4 and node.loc[0] is None
-        assert h.ctrl._allocate(HOST, 4) is None  # but their host pages are what the write reads
+        assert gpu is not None and len(gpu) == 4 and node.device_pages is None
+        assert h.ctrl.eviction.allocate(HOST, 4) is None  # but their host pages are what the write reads
         h.ctrl.free_device(gpu)
         h.check_all_bytes()
         l3.gate.set()
         assert h.ctrl.worker.wait_idle(10)
         h.ctrl.poll()
-        assert node.pin_ref == 0 and l3.used_pages() == 3 and node.loc[2] is not None
+        assert node.pin_ref == 0 and l3.used_pages() == 3 and node.disk_keys is not None
         h.ctrl.check_integrity()
         assert h.run(seq(1, 3)) == {HOST: 3}
         h.check_all_bytes()
@@ -330,7 +335,7 @@ def test_prefetch_reads_disk_pages_into_host_and_holds_them():
     assert hold.started == 3 and hold.pages == 3
     h.ctrl.poll()
     node = h.ctrl.tree.match_prefix(seq(7, 3), touch=False).last_node
-    assert node.loc[0] is None and node.loc[1] is not None and node.pin_ref == 1
+    assert node.device_pages is None and node.host_pages is not None and node.pin_ref == 1
     assert h.dev.used_pages() == 0 and h.host.used_pages() == 3 and h.ctrl.stats.prefetched_pages == 3
     assert h.ctrl.tree.pop_evictable(HOST) is None  # held for the queued request
     again = h.ctrl.prefetch(seq(7, 3), max_pages=3)  # a second queued request: no new read, held twice
@@ -339,7 +344,7 @@ def test_prefetch_reads_disk_pages_into_host_and_holds_them():
     h.check_all_bytes()
     h.ctrl.release_prefetch(again)
     h.ctrl.release_prefetch(hold)
-    assert node.pin_ref == 0 and h.ctrl._prefetching == 0
+    assert node.pin_ref == 0 and h.ctrl.loads.prefetching == 0
     assert h.run(seq(7, 3)) == {DISK: 3}  # the bytes came from L3: a disk hit, loaded from host
     assert h.ctrl.stats.pages_promoted[(DISK, HOST)] == 3 and h.ctrl.stats.pages_promoted[(HOST, DEVICE)] == 3
     assert h.run(seq(7, 3)) == {DEVICE: 3}
@@ -358,8 +363,7 @@ def test_prefetch_respects_max_pages_and_half_the_host_pool():
     assert first.pages == 3 and h.ctrl.prefetch(seq(8, 2)).pages == 0  # 3 of 4 read: no room for 2 more
     h.ctrl.release_prefetch(first)
     assert h.ctrl.prefetch(seq(8, 2)).started == 2
-    off = Harness(device=4, host=8, l3=l3)
-    off.ctrl.prefetch_enabled = False
+    off = Harness(device=4, host=8, l3=l3, prefetch=False)
     assert off.ctrl.prefetch(seq(7, 3)).pages == 0
 
 
@@ -374,13 +378,13 @@ def test_a_short_prefetch_goes_on_where_it_stopped_once_room_is_freed():
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short  # still no room
     h.ctrl.release_prefetch(first)
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second
-    assert not second.short and second.started == 2 and second.pages == 2 and h.ctrl._prefetching == 2
+    assert not second.short and second.started == 2 and second.pages == 2 and h.ctrl.loads.prefetching == 2
     again = h.ctrl.prefetch(seq(8, 2), hold=second)  # nothing left to take: no second pin, no second read
     assert again.started == 2 and len(again.pins) == 1 and again.pins[0][0].pin_ref == 1
     assert h.ctrl.stats.prefetched_pages == 5
     h.ctrl.poll()
     h.ctrl.release_prefetch(second)
-    assert h.ctrl._prefetching == 0
+    assert h.ctrl.loads.prefetching == 0
     h.ctrl.check_integrity()
     assert h.run(seq(8, 2)) == {DISK: 2}
     h.check_all_bytes()
@@ -398,8 +402,7 @@ def test_request_claims_a_prefetch_in_flight_without_a_second_read():
         return real(keys, out)
 
     l3.read_pages = held_read
-    h = Harness(device=4, host=8, l3=l3)
-    h.ctrl.worker = L3Worker(l3, threads=2)
+    h = Harness(device=4, host=8, l3=l3, worker=lambda store: L3Worker(store, threads=2))
     try:
         hold = h.ctrl.prefetch(seq(7, 3), max_pages=3)
         assert hold.started == 3
@@ -407,7 +410,7 @@ def test_request_claims_a_prefetch_in_flight_without_a_second_read():
         h.ctrl.release_prefetch(hold)
         assert ticket.num_pages == 3 and not ticket.ready() and ticket.hit_pages == {DISK: 3}
         node = ticket.node
-        assert node.loc[0] is not None and node.pin_ref == 0 and node.lock_ref == 1
+        assert node.device_pages is not None and node.pin_ref == 0 and node.lock_ref == 1
         h.ctrl.check_integrity()
         gate.set()
         assert h.ctrl.wait_ticket(ticket, timeout=10) and not ticket.failed
@@ -415,7 +418,7 @@ def test_request_claims_a_prefetch_in_flight_without_a_second_read():
         for i, p in enumerate(ticket.device_pages()):
             assert torch.all(h.dev.kv[:, :, p] == page_value(tuple(seq(7, 3)), i))
         h.ctrl.release(ticket)
-        assert node.loc[1] is not None
+        assert node.host_pages is not None
         h.ctrl.check_integrity()
         h.check_all_bytes()
     finally:
@@ -588,8 +591,9 @@ def test_a_host_prefix_of_several_nodes_gets_its_gpu_pages_in_one_eviction_pass(
     h.run(seq(2, 8))  # the GPU is full of seq 2; seq 1's pages are on host only
     assert h.dev.allocator.free_pages == 0
     passes = []
-    original = h.ctrl._evict
-    h.ctrl._evict = lambda tier, need, protect=None: passes.append((tier, need)) or original(tier, need, protect)
+    original = h.ctrl.eviction.evict
+    h.ctrl.eviction.evict = lambda tier, need, protect=None: passes.append((tier, need)) or original(
+        tier, need, protect)
     assert h.run(seq(1, 2)[:-1] + [7] * 2 * LAYOUT.page_size + [8]) == {HOST: 4}
     assert passes == [(DEVICE, 4)]  # both nodes' pages at once (per node: two passes of 2)
     h.check_all_bytes()

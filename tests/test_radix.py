@@ -24,7 +24,7 @@ def test_match_splits_node_at_page_boundary():
     assert m.num_pages == 2 and m.device_page_ids() == [10, 11]
     assert len(tree.root.children) == 1
     upper = m.last_node
-    assert upper.num_pages == 2 and list(upper.children.values())[0].loc[0] == [12]
+    assert upper.num_pages == 2 and list(upper.children.values())[0].device_pages == [12]
     # a mismatch inside the first page matches nothing
     assert tree.match_prefix([1, 3]).num_pages == 0
     tree.check_integrity()
@@ -40,7 +40,7 @@ def test_insert_returns_duplicates_and_adopts_missing_tier():
     _, dups = tree.insert([1, 2, 3, 4], [100, 101], tier=HOST)
     assert dups == []
     m = tree.match_prefix([1, 2, 3, 4, 5, 6])
-    assert m.device_pages == 3 and [n.loc[1] for n in m.nodes] == [[100, 101], None]
+    assert m.device_pages == 3 and [n.host_pages for n in m.nodes] == [[100, 101], None]
     tree.check_integrity()
 
 
@@ -145,7 +145,7 @@ def test_node_leaving_last_tier_removes_subtree_and_returns_orphans():
     tree.insert([2, 3], [b"a" * 16, b"b" * 16], tier=DISK, start=top)
     below = list(top.children.values())[0]
     pages, orphans = tree.clear_location(top, DEVICE)
-    assert pages == [0] and orphans == [below] and below.loc[2] == [b"a" * 16, b"b" * 16]
+    assert pages == [0] and orphans == [below] and below.disk_keys == [b"a" * 16, b"b" * 16]
     assert tree.pages_in == [0, 0, 0] and tree.root.children == {}
     tree.check_integrity()
 

@@ -83,7 +83,7 @@ def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[in
 def run_batch(engine: Any, batch: list[list[int]], out_len: int, tag: str) -> dict[str, Any]:
     """Submit every prompt at once, step to idle; throughput, TTFT and engine/cache counter deltas."""
     sync()
-    before, cache0 = dict(engine.counters), engine.ctrl.stats.snapshot()
+    before, cache0 = dict(engine.counters), engine.cache.controller.stats.snapshot()
     params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(batch):
@@ -99,7 +99,7 @@ def run_batch(engine: Any, batch: list[list[int]], out_len: int, tag: str) -> di
     sync()
     wall = time.perf_counter() - start
     engine.step()  # one idle step: deferred copies start here, outside the timed part
-    cache = engine.ctrl.stats.snapshot()
+    cache = engine.cache.controller.stats.snapshot()
     delta = lambda key: engine.counters[key] - before[key]  # noqa: E731
     return {
         "wall_s": wall, "ttft_p50": statistics.median(ttfts), "ttft_mean": statistics.fmean(ttfts),
@@ -256,7 +256,7 @@ def multiturn(args: argparse.Namespace, model_pair: tuple[Any, Any]) -> dict[str
             profile = str(r) in args.profile_round.split(",")
             path = Path(args.out) / f"kernels_multiturn_{arm}_round{r}.txt" if profile else None
             res = profiled(path, run_batch, engine, batch, 8, f"r{r}")
-            hits = engine.ctrl.stats.snapshot()["hit_tokens"]
+            hits = engine.cache.controller.stats.snapshot()["hit_tokens"]
             res["hits"] = {t: hits[t] - seen.get(t, 0) for t in hits}
             seen = hits
             results.setdefault(arm, []).append(res)

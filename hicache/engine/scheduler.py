@@ -11,6 +11,9 @@ private pages from `alloc_device`; when none are left the most recently admitted
 committed as soon as they are computed. With `admit_ahead` (scheduler.admit_during_forward) steps (1)-(2) also
 run while the previous step's forward is on the GPU.
 
+The scheduler is the cache's one caller: every tree and controller call of an engine step is made here,
+inside `step()`, and the engine only sees the plan.
+
 A request whose ticket has a gap (cache.load_policy.overlap) starts RUNNING once pages [0, k) are on the
 GPU and prefills the gap [k, s) while [s, n) loads; when the gap is computed it is committed whole
 (`commit_gap`), the request jumps to token n * page_size and, if the tail has not landed yet, waits in
@@ -23,9 +26,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+from controller import LoadTicket, TierController
 from hicache.engine.request import Request, Status
 
 logger = logging.getLogger(__name__)
@@ -37,10 +43,15 @@ DECODE_RESERVE_TOKENS = 256  # decode room counted at admission (longer outputs 
 class Scheduler:
     """Owns the request queues and every page a request holds; see the module doc."""
 
-    def __init__(self, controller: Any, max_running: int, chunk_tokens: int, batch_tokens: int = 0):
+    def __init__(self, controller: TierController, max_running: int, chunk_tokens: int, batch_tokens: int = 0,
+                 admit_during_forward: bool = False):
         """batch_tokens: a step adds another request's prefill chunk only while its prefill tokens are fewer
-        (0: no limit below chunk_tokens); see `_plan`."""
+        (0: no limit below chunk_tokens); see `_plan`. admit_during_forward: `after_forward` admits for the next
+        step while the forward runs."""
         self.ctrl = controller
+        self.admit_during_forward = admit_during_forward
+        if admit_during_forward:
+            logger.info("the next step's admissions run during each forward (scheduler.admit_during_forward)")
         self.page_size = controller.page_size
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
@@ -48,7 +59,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # by arrival; preempted requests go back to their place
         self.loading: list[Request] = []
         self.running: list[Request] = []  # by admission order
-        self.draining: list[Any] = []  # tickets given up while loading: released once their loads settle
+        self.draining: list[LoadTicket] = []  # tickets given up while loading: released once their loads settle
         self._admissions = itertools.count()
         self._starved = False  # ran out of GPU pages: admit nothing new until a request leaves
         self.preemptions = 0
@@ -79,14 +90,41 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
+    @contextmanager
+    def step(self) -> Iterator[list[tuple[Request, int]]]:
+        """One engine step: apply finished I/O, admit, prefetch and plan; yields the plan, (request, new tokens)
+        pairs with their pages allocated. On exit the loads the step asked for start, and an engine with
+        nothing to do lets the cache start deferred backups."""
+        with self.ctrl.step():
+            plan = self.schedule()
+            yield plan
+            if not plan and not self.has_work():
+                self.ctrl.idle()
+
     def schedule(self) -> list[tuple[Request, int]]:
-        """Poll I/O, admit, and plan this step: (request, new tokens) pairs, pages allocated."""
-        self.ctrl.begin_step()
-        self.ctrl.poll()
+        """Admit and plan this step (inside `step`, which applied finished I/O first)."""
         self.settle()
         self._admit()
         self._prefetch()
         return self._plan()
+
+    def before_forward(self, plan: Sequence[tuple[Request, int]]) -> None:
+        """The plan's forward is about to be queued: the compute stream waits (on the GPU) for the copies of the
+        pages it reads; with admission during the forward, what is asked for until the step ends need not
+        wait for that forward."""
+        for req, _ in plan:
+            if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream
+                self.ctrl.stream_wait(req.ticket)
+                req.needs_stream_wait = False
+        if self.admit_during_forward:
+            self.ctrl.fence_forward()
+
+    def after_forward(self, plan: Sequence[tuple[Request, int]]) -> None:
+        """The plan's forward is queued: admit for the next step while it runs (admit_during_forward), then start
+        the loads held while scheduling, behind the forward."""
+        if self.admit_during_forward:
+            self.admit_ahead(plan)
+        self.ctrl.launch_loads()
 
     def admit_ahead(self, plan: Sequence[tuple[Request, int]]) -> None:
         """While `plan`'s forward runs: apply finished I/O, admit and prefetch for the next step, so that this
@@ -124,7 +162,30 @@ class Scheduler:
                 self.draining.remove(ticket)
                 self.ctrl.release(ticket)
 
-    def _release(self, ticket: Any) -> None:
+    def drain(self) -> None:
+        """Wait for the loads of tickets given up while loading, then release them (shutdown)."""
+        self.ctrl.launch_loads()  # held loads (a step that failed after scheduling): drained tickets wait for them
+        while self.draining:
+            self.ctrl.poll()
+            self.settle()
+            if self.draining:
+                time.sleep(0.001)
+
+    # ------------------------------------------------------------------ what the engine reports
+
+    def queue_lengths(self) -> dict[str, int]:
+        return {"waiting": len(self.waiting), "loading": len(self.loading), "running": len(self.running)}
+
+    def cache_gauges(self) -> dict[str, int]:
+        """What the step log reads of the cache: GPU pages in use, and GPU pages freed while their copy to host
+        was in flight (a counter)."""
+        return self.ctrl.gauges()
+
+    def cache_report(self) -> dict[str, Any]:
+        """The cache's counters, tier usage and cost model (Engine.stats)."""
+        return self.ctrl.report()
+
+    def _release(self, ticket: LoadTicket) -> None:
         """Release a ticket, or keep its lock until its loads settle (their pages are being written)."""
         if ticket.ready():
             self.ctrl.release(ticket)
@@ -157,7 +218,7 @@ class Scheduler:
         admitted = self.running + self.loading
         backlog = sum(len(r.token_ids) - r.computed - 1 for r in admitted) - in_flight
         reserved = sum(self._pages_needed(r) for r in admitted)
-        capacity = self.ctrl.device.capacity_pages
+        capacity = self.ctrl.device_capacity_pages
         while self.waiting and len(self.running) + len(self.loading) < self.max_running:
             if backlog >= self.chunk_tokens or (self._starved and (self.running or self.loading)):
                 break
@@ -235,7 +296,7 @@ class Scheduler:
         # prefill chunks, oldest first, within the step's budget. Once the step holds batch_tokens prefill
         # tokens it takes no further request (a long prompt's chunk still fills the budget): a burst of short
         # prompts then gets first tokens in turn rather than all at the end of one long step, for some throughput
-        # (on the H200 it did not pay on the multi-turn benchmark: bench/RESULTS.md, sixth session; off by default)
+        # (on the H200 it did not pay on the multi-turn benchmark; off by default)
         budget = self.chunk_tokens - len(plan)
         prefill = 0
         for req in list(self.running):

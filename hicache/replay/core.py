@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller import CostModel, TierController, WritePolicy
+from controller import CostModel, L3Worker, TierController, WritePolicy
 from hicache.replay.reuse import ReuseProfile
-from hicache.replay.store import InlineWorker, ReplayL3
+from hicache.replay.store import ReplayL3
 from hicache.replay.trace import TraceRecord
 from radix import DISK, TIERS, RadixTree, namespace_fingerprint
 from tiers import MetadataPool
@@ -118,7 +118,7 @@ class Replayer:
         device = MetadataPool(setup.device_blocks, setup.block_bytes, "device")
         host = MetadataPool(setup.host_blocks, setup.block_bytes, "host") if setup.host_blocks else None
         self.store = ReplayL3(setup.disk_blocks, setup.block_bytes, setup.admission_hits) if setup.disk_blocks else None
-        worker = InlineWorker(self.store) if self.store is not None else None
+        worker = L3Worker(self.store, synchronous=True) if self.store is not None else None
         cost = CostModel(setup.block_tokens, setup.block_bytes, setup.load_mode, setup.prefill_tokens_per_s,
                          setup.host_to_device_bytes_per_s, setup.disk_to_device_bytes_per_s)
         self.controller = _ReplayController(tree, device, host, self.store, None, setup.write_policy, cost,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from controller.l3_io import Completion
 from tiers.l3.admission import admission_policy
 from tiers.metadata_pool import MetadataL3
 
@@ -70,39 +69,3 @@ class ReplayL3(MetadataL3):
     def unread_pages(self) -> int:
         """Pages on disk now that were written and never read."""
         return len(self._unread)
-
-
-class InlineWorker:
-    """The L3Worker's calls run inline on the caller's thread, without locks (replay is single-threaded).
-
-    Behaves as `L3Worker(store, synchronous=True)`: a write is done when submitted (so only a single
-    write larger than `queue_pages` is refused), completions are handed back by `completions()`.
-    """
-
-    def __init__(self, store: Any, queue_pages: int = 4096):
-        self.store = store
-        self.queue_pages = queue_pages
-        self.queued_write_pages = 0
-        self._done: list[Completion] = []
-
-    def submit_write(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any],
-                     before: Callable[[], None] | None = None) -> bool:
-        if len(keys) > self.queue_pages:
-            return False
-        if before is not None:
-            before()
-        self._done.append(Completion("write", token, list(self.store.write_pages(keys, pages)), frozenset(keys)))
-        return True
-
-    def submit_read(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any]) -> None:
-        self._done.append(Completion("read", token, list(self.store.read_pages(keys, pages)), frozenset(keys)))
-
-    def completions(self) -> list[Completion]:
-        out, self._done = self._done, []
-        return out
-
-    def wait_idle(self, timeout: float | None = None) -> bool:
-        return True
-
-    def close(self) -> None:
-        return None

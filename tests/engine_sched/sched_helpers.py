@@ -29,26 +29,26 @@ def run_all(engine: Engine, check: bool = True) -> dict[str, Any]:
             ids, text, _ = results.get(out.request_id, ([], "", None))
             results[out.request_id] = (ids + out.new_token_ids, text + out.text_delta, out)
         if check:
-            engine.ctrl.check_integrity()
+            engine.cache.controller.check_integrity()
     return results
 
 
 def settle_l3(engine: Engine) -> None:
     """Wait for queued L3 I/O and apply it (so a later match sees what was written)."""
-    if engine.ctrl.worker is not None:
-        engine.ctrl.worker.wait_idle()
-        engine.ctrl.poll()
+    engine.cache.controller.worker.wait_idle()
+    engine.cache.controller.poll()
 
 
 def assert_no_leaks(engine: Engine) -> None:
     """No request holds anything: GPU pages are all tree-owned, no private pages, no locks."""
     settle_l3(engine)
-    ctrl = engine.ctrl
+    ctrl = engine.cache.controller
     ctrl.check_integrity()
     assert not ctrl._private
     assert ctrl.device.used_pages() == len(ctrl.tree.owned_pages("device"))
     assert all(node.lock_ref == 0 and node.pin_ref == 0 for node in ctrl.tree.nodes())
-    assert ctrl._prefetching == 0
+    assert ctrl.loads.prefetching == 0
+    assert ctrl.transfers.in_flight() == 0
     assert ctrl.tree.root.lock_ref == 1
     s = engine.scheduler
     assert not (s.waiting or s.loading or s.running or s.draining)

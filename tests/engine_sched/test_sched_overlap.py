@@ -60,7 +60,7 @@ def test_overlap_matches_recompute_and_load(tiny, tmp_path):
     loaded.close()
 
     engine = overlap_engine(tiny, tmp_path / "l3")
-    k, s, n = engine.ctrl.cost.plan([(DISK, 15)])
+    k, s, n = engine.cache.controller.cost.plan([(DISK, 15)])
     assert (k, s, n) == (0, 10, 15)  # compute 10 pages (40 ms) while 5 load (40 ms)
     ids, _, out = generate(engine)
     assert ids == want
@@ -74,7 +74,7 @@ def test_overlap_matches_recompute_and_load(tiny, tmp_path):
 
 def hold_reads(engine, fail: bool = False) -> threading.Event:
     """L3 reads block until the returned event is set (then fail, with `fail`)."""
-    store = engine.ctrl.l3
+    store = engine.cache.controller.l3
     real = store.read_pages
     go = threading.Event()
 
@@ -94,7 +94,7 @@ def run_gap_then_release(engine, go: threading.Event):
     for _ in range(50):
         for o in engine.step():
             results[o.request_id] = o
-        engine.ctrl.check_integrity()
+        engine.cache.controller.check_integrity()
         if req.status is Status.LOADING and req.ticket.gap is None:
             break
     assert req.status is Status.LOADING and req.computed == 15 * PAGE and req.gap_tokens == 10 * PAGE
@@ -134,9 +134,9 @@ def test_abort_mid_gap_keeps_the_computed_pages(tiny, tmp_path):
     assert req.ticket.gap == (0, 10) and req.computed == 16
     engine.abort("a")
     assert engine.scheduler.draining  # the tail is still loading: its lock is kept until it lands
-    engine.ctrl.check_integrity()
+    engine.cache.controller.check_integrity()
     go.set()
-    m = engine.ctrl.tree.match_prefix(A, touch=False)
+    m = engine.cache.controller.tree.match_prefix(A, touch=False)
     assert m.device_pages >= 4  # the gap pages computed before the abort are cached
     ids, _, _ = generate(engine, "b")
     assert ids == want

@@ -19,7 +19,7 @@ def queue_behind_b(engine):
     engine.add_request("a", A, GREEDY)
     first = engine.step()
     assert engine.requests["a"] in engine.scheduler.waiting and all(o.request_id == "b" for o in first)
-    engine.ctrl.worker.wait_idle()
+    engine.cache.controller.worker.wait_idle()
     return run_all(engine)["a"]
 
 
@@ -64,12 +64,12 @@ def test_request_waits_for_pages_another_request_is_loading(tiny, tmp_path):
     def step():
         for o in engine.step():
             tokens[o.request_id] += o.new_token_ids
-        engine.ctrl.check_integrity()
+        engine.cache.controller.check_integrity()
 
     step()  # Y: 4 pages computed, the rest on L3 only
     y = engine.requests["y"]
     assert y.computed == 16 and sum(y.cached_tokens.values()) == 0
-    engine.ctrl.cost = dataclasses.replace(engine.ctrl.cost, mode="always")
+    engine.cache.controller.cost = dataclasses.replace(engine.cache.controller.cost, mode="always")
     engine.add_request("w", A, GREEDY)
     blocked = False
     for _ in range(20):

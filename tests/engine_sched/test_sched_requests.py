@@ -162,7 +162,7 @@ def test_failed_l3_read_is_recomputed(tiny, tmp_path):
         engine.add_request(f"push{i}", prompt(i, 33), greedy)
         run_all(engine)
     settle_l3(engine)
-    store = engine.ctrl.l3
+    store = engine.cache.controller.l3
     real_read = store.read_pages
     store.read_pages = lambda keys, out, *args, **kwargs: [False] * len(keys)  # every page fails verification
     engine.add_request("again", prompt(1, 33), greedy)
@@ -238,7 +238,7 @@ def test_step_log_accounts_for_every_step(tiny, tmp_path):
 
     engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=1024, scheduler__chunk_tokens=32)
     log = tmp_path / "steps.jsonl"
-    engine.open_step_log(str(log))
+    step_log = engine.open_step_log(str(log))
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     for i, n in enumerate((70, 10, 25)):  # 70 tokens take three 32-token chunks
         engine.add_request(f"r{i}", prompt(i, n), params)
@@ -258,19 +258,20 @@ def test_step_log_accounts_for_every_step(tiny, tmp_path):
     assert not any(s["graph"] for s in lines)  # CPU: no CUDA graphs
     assert lines[0]["waiting"] + lines[0]["running"] + lines[0]["loading"] == 3  # all queued or running at first
     assert lines[-1]["waiting"] == lines[-1]["running"] == 0 and lines[-1]["device_used_pages"] > 0
-    assert sum(s["backup_wait_pages"] for s in lines) == engine.ctrl.stats.backup_waits == 0  # CPU copies: done
+    waits = engine.cache.controller.stats.backup_waits
+    assert sum(s["backup_wait_pages"] for s in lines) == waits == 0  # CPU copies: done
     assert all(0 < s["enqueue_ms"] <= s["forward_ms"] and 0 <= s["enqueue_cpu_ms"] for s in lines)
     assert all(s["gc_ms"] >= 0 for s in lines)
     assert not any("gpu_ms" in s or "wait_ms" in s for s in lines)  # CUDA events only
     import gc
 
-    timer = engine._gc_timer
+    timer = step_log.gc
     assert timer in gc.callbacks
     before = timer.total
     gc.collect()
     assert timer.total > before and timer.longest > 0  # the hook times collections
     engine.close()
-    assert engine._step_log is None and timer not in gc.callbacks
+    assert step_log.file.closed and timer not in gc.callbacks
 
 
 class FakeEvent:
@@ -295,16 +296,16 @@ def test_step_log_writes_lines_in_order_once_their_gpu_events_complete(tiny, tmp
 
     engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=256)
     log = tmp_path / "steps.jsonl"
-    engine.open_step_log(str(log))
-    pending = engine._step_log_pending
+    step_log = engine.open_step_log(str(log))
+    pending = step_log.pending
     slow = (FakeEvent(0.0), FakeEvent(2.5), FakeEvent(40.0, done=False))
     pending.append(({"n": 0}, (FakeEvent(0.0), FakeEvent(0.0), FakeEvent(10.0))))
     pending.append(({"n": 1}, slow))
     pending.append(({"n": 2}, None))  # no events (a CPU step): still written after the one before it
-    engine._flush_step_log()
+    step_log.flush()
     assert [json.loads(line) for line in log.read_text().splitlines()] == [{"n": 0, "wait_ms": 0.0, "gpu_ms": 10.0}]
     assert not slow[2].synced  # not waited for
-    engine._flush_step_log(wait=True)
+    step_log.flush(wait=True)
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert lines[1:] == [{"n": 1, "wait_ms": 2.5, "gpu_ms": 37.5}, {"n": 2}] and slow[2].synced
     assert not pending
@@ -318,12 +319,12 @@ def test_trace_gpu_records_the_window_of_steps(tiny, tmp_path):
 
     engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=1024, scheduler__chunk_tokens=32)
     path = tmp_path / "trace.json"
-    engine.trace_gpu(str(path), 2, 3)
+    trace = engine.trace_gpu(str(path), 2, 3)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i, n in enumerate((70, 10)):
         engine.add_request(f"r{i}", prompt(i, n), params)
     run_all(engine)
-    assert engine.counters["steps"] > 5 and engine._trace is None
+    assert engine.counters["steps"] > 5 and trace.done
     events = json.loads(path.read_text())["traceEvents"]
     steps = sorted({e["name"] for e in events if e.get("name", "").startswith("step ")})
     assert steps == ["step 2", "step 3", "step 4"]

@@ -32,7 +32,7 @@ def test_mixed_workload_all_tiers(tiny, tmp_path, monkeypatch):
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-        engine.ctrl.check_integrity()
+        engine.cache.controller.check_integrity()
         steps += 1
         assert steps < 5000
     assert len(finished) == 70

@@ -1,0 +1,146 @@
+"""Eviction: room in a tier is made by dropping its lowest-priority unlocked leaves, page-exact.
+
+Before pages leave a tier the `EvictionHook` (the write policies) may save them a tier down
+(write-back). Freed GPU pages wait, on the GPU, for a backup copy still reading them. Nodes that
+leave their last tier are removed from the tree with their subtree, and every page they held is freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from controller.ports import L3, Pool
+from controller.stats import CacheStats
+from controller.transfers import Transfers
+from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
+
+
+class EvictionHook(Protocol):
+    """Told about a node just before its pages leave a tier (it may copy them down first)."""
+
+    def evicting(self, tier: str, node: TreeNode) -> None: ...
+
+
+class _NoHook:
+    def evicting(self, tier: str, node: TreeNode) -> None:
+        return None
+
+
+class Eviction:
+    """Allocation with eviction per tier, and the freeing of removed nodes (see the module doc)."""
+
+    def __init__(self, tree: RadixTree, device: Pool, host: Pool, l3: L3, transfers: Transfers, stats: CacheStats,
+                 disk_capacity: int):
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.l3 = l3
+        self.transfers = transfers
+        self.stats = stats
+        self.disk_capacity = disk_capacity
+        self.disk_inflight = 0  # pages queued for L3 writes, counted against the disk capacity
+        self.hook: EvictionHook = _NoHook()
+
+    def allocate(self, tier: str, n: int, protect: TreeNode | None = None) -> list[int] | None:
+        """n free pages of the GPU or host tier, evicting there as needed (never `protect`); None if impossible."""
+        pool = self.device if tier == DEVICE else self.host
+        if n > pool.capacity_pages:
+            return None
+        if pool.allocator.free_pages < n:
+            self.evict(tier, n - pool.allocator.free_pages, protect)
+        return pool.allocate(n)
+
+    def evict(self, tier: str, need: int, protect: TreeNode | None = None) -> int:
+        """Evict the lowest-priority unlocked leaves of a tier until `need` pages are free there."""
+        freed = 0
+        skip = (lambda node: node is protect) if protect is not None else None
+        while freed < need:
+            node = self.tree.pop_evictable(tier, skip)
+            if node is None:
+                break
+            freed += self.evict_node(tier, self._tail(node, need - freed))
+        return freed
+
+    def _tail(self, node: TreeNode, pages: int) -> TreeNode:
+        """The last `pages` pages of node as their own node (split off), or node if it is no larger.
+
+        Within a node the last pages are the least valuable (a parent outlives its children), so only
+        as many as needed leave the tier.
+        """
+        if node.num_pages > pages:
+            self.tree.split(node, node.num_pages - pages)  # `node` keeps the tail
+        return node
+
+    def evict_node(self, tier: str, node: TreeNode) -> int:
+        """Drop node's copy in `tier` (the hook may save it first); returns its pages."""
+        n = node.num_pages
+        self.hook.evicting(tier, node)
+        self.stats.evictions[tier] += n
+        if tier == DEVICE and self.transfers.disk_load(node) is None:
+            self.transfers.clear(node)  # a finished promotion into the pages being freed
+        pages, orphans = self.tree.clear_location(node, tier)
+        if tier == DISK:
+            self.l3.delete(pages)
+        elif tier == DEVICE:
+            self.free_device_pages(pages)
+        else:
+            self.host.free(pages)
+        if node.removed:
+            self.transfers.forget(node)
+        self.free_nodes(orphans)
+        return n
+
+    def free_device_pages(self, pages: Sequence[int]) -> None:
+        """Free tree-owned GPU pages. Compute may overwrite them next, so the current stream first waits
+        (on the GPU; the host does not block) for any GPU -> host copy still reading them. Only those
+        copies: waiting for every copy in flight made each eviction wait for the newest backups too."""
+        waits = {}
+        backups = self.transfers.backups
+        for p in pages:
+            handle = backups.pop(p, None)
+            if handle is not None and not handle.done():
+                waits[id(handle)] = handle
+                self.stats.backup_waits += 1
+        for handle in waits.values():
+            wait = getattr(handle, "stream_wait", None)
+            if wait is not None:
+                wait()
+            else:
+                handle.wait()
+        self.device.free(pages)
+
+    def make_disk_room(self, n: int) -> bool:
+        """Evict L3 leaves until n more pages fit under the disk capacity."""
+        if n > self.disk_capacity:
+            return False
+        while (over := self.tree.pages_in[2] + self.disk_inflight + n - self.disk_capacity) > 0:
+            node = self.tree.pop_evictable(DISK)
+            if node is None:
+                return False
+            self.evict_node(DISK, self._tail(node, over))
+        return True
+
+    def free_nodes(self, nodes: Sequence[TreeNode]) -> None:
+        """Free every page of nodes the tree removed, in every tier."""
+        for node in nodes:
+            if node.on_device:
+                self.free_device_pages(node.device_pages)
+                self.stats.evictions[DEVICE] += node.num_pages
+            if node.on_host:
+                self.host.free(node.host_pages)
+                self.stats.evictions[HOST] += node.num_pages
+            if node.on_disk:
+                self.l3.delete(node.disk_keys)
+                self.stats.evictions[DISK] += node.num_pages
+            node.drop_locations()
+            self.transfers.forget(node)
+
+    def remove_invalid(self) -> None:
+        """Remove the nodes whose data proved bad, with their subtrees, once nobody locks or pins them."""
+        for node in list(self.transfers.invalid.values()):
+            if node.lock_ref > 0 or node.pin_ref > 0:
+                continue
+            self.transfers.forget(node)
+            if not node.removed:
+                self.free_nodes(self.tree.remove_subtree(node))

@@ -1,0 +1,343 @@
+"""Loads: how much of a matched prefix to use, and bringing it onto the GPU.
+
+`acquire` prices the matched prefix with the cost model (load or recompute, and with overlap a gap
+to compute while the rest loads), locks what it uses in a LoadTicket and starts the copies: host ->
+GPU through the copier (one call per prefix), L3 -> host -> GPU through the L3 worker. `prefetch`
+starts L3 -> host reads for a queued request, under the same load-or-recompute decision, and pins
+them in a PrefetchHold until the request is admitted. `apply` lands a finished read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+from controller.cost import CostModel, LoadPlan
+from controller.eviction import Eviction
+from controller.l3_io import Completion, L3Worker
+from controller.ports import Copier, HostPool, Pool
+from controller.stats import CacheStats
+from controller.ticket import LoadTicket, PrefetchHold
+from controller.transfers import FAILED, PREFETCHED, DiskLoad, Transfers
+from controller.writes import page_buffers
+from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
+
+
+def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
+    """The (tier, pages) runs cut down to their first `pages` pages."""
+    out = []
+    for tier, n in runs:
+        if pages <= 0:
+            break
+        out.append((tier, min(n, pages)))
+        pages -= n
+    return out
+
+
+class Loads:
+    """Load planning, copies to the GPU, tickets and prefetch (see the module doc)."""
+
+    def __init__(self, tree: RadixTree, device: Pool, host: HostPool, copier: Copier, worker: L3Worker,
+                 eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool):
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.copier = copier
+        self.worker = worker
+        self.eviction = eviction
+        self.transfers = transfers
+        self.stats = stats
+        self.cost = cost
+        self.page_size = tree.page_size
+        self.page_bytes = device.page_bytes
+        self.prefetch_enabled = prefetch and cost.mode != "never"  # the caller says whether there is a disk tier
+        self.prefetching = 0  # pages read by prefetch holds not yet released
+        self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
+
+    # ------------------------------------------------------------------ planning
+
+    def _runs(self, m: MatchResult) -> tuple[list[TreeNode], list[tuple[str, int]]]:
+        """The usable matched nodes and their (tier to load from, pages) runs. A read in flight (a prefetch)
+        counts as host if waiting for it beats recomputing the prefix up to there, else as a disk read."""
+        runs: list[tuple[str, int]] = []
+        usable: list[TreeNode] = []
+        now, pages = time.monotonic(), 0
+        for node, tier in m.segments:
+            if self.transfers.unusable(node):
+                break
+            pages += node.num_pages
+            load = self.transfers.disk_load(node)
+            if load is not None and not node.on_host:
+                tier = HOST if load.eta - now <= pages * self.cost.compute_seconds() else DISK
+            usable.append(node)
+            runs.append((tier, node.num_pages))
+        return usable, runs
+
+    def acquire(self, m: MatchResult, max_pages: int | None, overlap: bool) -> LoadTicket:
+        """Decide how much of the match to use, lock it and start its loads (see TierController.acquire)."""
+        ps = self.page_size
+        usable, runs = self._runs(m)
+        total = sum(n for _, n in runs)
+        if overlap and self.cost.overlap:
+            cap = total if max_pages is None else min(total, max_pages)
+            plan = self.cost.plan(_clip(runs, cap))
+            self.stats.recomputed_tokens += (plan.s - plan.k + cap - plan.n) * ps
+        else:
+            want = self.cost.pages_to_load(runs)
+            self.stats.recomputed_tokens += (total - want) * ps
+            if max_pages is not None:
+                want = min(want, max_pages)
+            plan = LoadPlan(want, want, want)
+        k, s = plan.k, plan.s
+        nodes = self._split_at(self._split_at(self._cut(usable, plan.n), k), s)
+        # where the bytes come from: prefetched pages count as disk hits
+        tiers = [DEVICE if n.on_device else HOST if n.on_host and not self.transfers.prefetched(n) else DISK
+                 for n in nodes]
+        ticket = LoadTicket(self.transfers, nodes[-1] if nodes else self.tree.root, m.num_pages,
+                            gap=(k, s) if k < s else None)
+        self.tree.lock(ticket.node)
+        pos = 0
+        copies: list[TreeNode] = []
+        spare = self._allocate_loads(nodes, k, s)
+        for i, node in enumerate(nodes):
+            if not k <= pos < s and not node.on_device and not self._load_node(node, copies, spare):
+                if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
+                    ticket.gap = None
+                    i = min(i, len(ticket.part(0, k)))
+                self._truncate(ticket, nodes[i - 1] if i else self.tree.root)
+                nodes = nodes[:i]
+                break
+            pos += node.num_pages
+        if spare:
+            self.device.free(spare)  # a load stopped early (no host room for a disk read): its pages go back
+        self._start_copies(copies)
+        pos = 0
+        for node, tier in zip(nodes, tiers):
+            if not k <= pos < s or ticket.gap is None:  # the gap's pages are computed, not hits
+                ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
+            pos += node.num_pages
+        for tier, pages in ticket.hit_pages.items():
+            self.stats.hit_tokens[tier] += pages * ps
+        return ticket
+
+    def _cut(self, nodes: list[TreeNode], pages: int) -> list[TreeNode]:
+        """The leading nodes covering exactly `pages` pages (splitting the last one if needed)."""
+        out: list[TreeNode] = []
+        used = 0
+        for node in nodes:
+            if used >= pages:
+                break
+            if used + node.num_pages > pages:
+                node = self.tree.split(node, pages - used)
+            out.append(node)
+            used += node.num_pages
+        return out
+
+    def _split_at(self, nodes: list[TreeNode], page: int) -> list[TreeNode]:
+        """The path `nodes` with a node boundary at `page` (splitting the node that straddles it)."""
+        out: list[TreeNode] = []
+        pos = 0
+        for node in nodes:
+            if pos < page < pos + node.num_pages:
+                out.append(self.tree.split(node, page - pos))  # the upper part; `node` keeps the rest
+            out.append(node)
+            pos += node.num_pages
+        return out
+
+    def _truncate(self, ticket: LoadTicket, node: TreeNode) -> None:
+        """Shorten the ticket's prefix to end at `node` (an ancestor), moving its lock."""
+        old = ticket.node
+        ticket.node = node
+        self.tree.lock(node)
+        self.tree.unlock(old)
+
+    # ------------------------------------------------------------------ copies
+
+    def _allocate_loads(self, nodes: list[TreeNode], k: int, s: int) -> list[int]:
+        """GPU pages for every node of a new ticket that must be loaded (outside its gap [k, s)), taken in one
+        allocation, or [] if they do not all fit (each node then allocates its own, and the ticket stops at the
+        first that cannot). One allocation evicts in one pass: per node, eviction split other nodes into
+        ever smaller pieces, and a long prefix paid an eviction call per piece."""
+        want, pos = 0, 0
+        for node in nodes:
+            if not k <= pos < s and not node.on_device:
+                want += node.num_pages
+            pos += node.num_pages
+        if want <= 1:
+            return []
+        return self.eviction.allocate(DEVICE, want) or []
+
+    def _load_node(self, node: TreeNode, copies: list[TreeNode], spare: list[int]) -> bool:
+        """Give a locked node GPU pages and start bringing its data there; False (counted) if no room.
+
+        Nodes to copy from host are appended to `copies` for `_start_copies` (one copier call per prefix).
+        The GPU pages come from the front of `spare` (taken from it) while it has enough, else are allocated.
+        """
+        n = node.num_pages
+        if not node.on_host and node.id in self.transfers.writing:
+            return False  # a write-back's bytes are on their way to disk: not readable yet
+        prefetch = self.transfers.disk_load(node)
+        if prefetch is None:
+            self.transfers.clear(node)  # any earlier transfer finished with the device copy it filled
+        if len(spare) >= n:
+            dev = spare[:n]
+            del spare[:n]
+        else:
+            dev = self.eviction.allocate(DEVICE, n)
+        if dev is None:
+            self.stats.drops["device_full_on_load"] += n
+            return False
+        if prefetch is not None:  # its read is in flight: it lands in host memory, then copies here
+            prefetch.to_device = True
+        elif node.on_host:
+            copies.append(node)
+            self.stats.moved(HOST, DEVICE, n, self.page_bytes)
+        else:
+            host_pages = self.eviction.allocate(HOST, n)
+            if host_pages is None:
+                self.device.free(dev)
+                self.stats.drops["host_full_on_load"] += n
+                return False
+            self._read(node, DiskLoad(host_pages, eta=self._disk_eta(n)))
+        self.tree.set_location(node, DEVICE, dev)
+        return True
+
+    def _read(self, node: TreeNode, load: DiskLoad) -> None:
+        self.transfers.set(node, load)
+        self.transfers.loading[node.id] = node
+        self.worker.submit_read(node, node.disk_keys, page_buffers(self.host, load.host_pages))
+
+    def _start_copies(self, nodes: list[TreeNode]) -> None:
+        """Copy these nodes' host pages into their (just assigned) GPU pages in one copier call, one transfer
+        for all: per-call costs (index uploads, stream waits, Python) are paid once per prefix, not per node."""
+        if not nodes:
+            return
+        transfer = self.copier.to_device([p for n in nodes for p in n.host_pages],
+                                         [p for n in nodes for p in n.device_pages])
+        for node in nodes:
+            self.transfers.set(node, transfer)
+
+    def _disk_eta(self, pages: int) -> float:
+        """When a read of `pages` submitted now should land: reads queue behind each other on the disk."""
+        now = time.monotonic()
+        bw = self.cost.disk_to_device_bytes_per_s
+        start = max(now, self._disk_read_free_at)
+        self._disk_read_free_at = start + (pages * self.page_bytes / bw if bw else 0.0)
+        return self._disk_read_free_at
+
+    # ------------------------------------------------------------------ prefetch
+
+    def prefetch(self, m: MatchResult, max_pages: int | None, hold: PrefetchHold | None) -> PrefetchHold:
+        """Hold a queued request's cached prefix in host memory until it is admitted (TierController.prefetch).
+
+        Only the pages a load would use once they are in host memory are read: the cost model's load-or-recompute
+        decision with disk pages priced as host pages, since a read started now travels while the request
+        queues. Load mode "never" reads nothing; "auto" reads what loading from host beats recomputing."""
+        retry = hold is not None
+        hold = hold if retry else PrefetchHold()
+        hold.short = False
+        if not self.prefetch_enabled:
+            return hold
+        held = {id(node) for node, _ in hold.pins}
+        _, runs = self._runs(m)
+        limit = self.cost.pages_to_load([(HOST if tier == DISK else tier, n) for tier, n in runs])
+        if max_pages is not None:
+            limit = min(limit, max_pages)
+        budget = self.host.capacity_pages // 2 - self.prefetching
+        self.tree.lock(m.last_node)  # host room is made from other pages than this prefix's
+        pos, started = 0, 0
+        try:
+            for node, tier in m.segments:
+                if self.transfers.unusable(node) or pos >= limit:
+                    break
+                pos += node.num_pages
+                n = node.num_pages
+                if id(node) in held:
+                    continue
+                if not node.on_device and ((self.transfers.prefetched(node) and node.on_host)
+                                           or self.transfers.disk_load(node) is not None):
+                    self.tree.pin(node)  # brought in (or coming) for another queued request: hold it too
+                    hold.pins.append((node, 0))
+                elif tier == DISK and not node.on_host:
+                    if n > budget - started:
+                        # short (worth asking again) unless it could not fit even with every other hold released
+                        own = sum(k for _, k in hold.pins)
+                        hold.short = n <= self.host.capacity_pages // 2 - own
+                        break
+                    host_pages = self.eviction.allocate(HOST, n)
+                    if host_pages is None:
+                        if not retry:  # counted once per request, not once per step it asks again
+                            self.stats.drops["host_full_on_prefetch"] += n
+                        hold.short = True
+                        break
+                    self._read(node, DiskLoad(host_pages, to_device=False, prefetch=True, eta=self._disk_eta(n)))
+                    self.tree.pin(node)
+                    self.prefetching += n
+                    started += n
+                    hold.pins.append((node, n))
+        finally:
+            self.tree.unlock(m.last_node)
+        hold.started += started
+        self.stats.prefetched_pages += started
+        return hold
+
+    def release_prefetch(self, hold: PrefetchHold) -> None:
+        """Give back a prefetch hold (the request was admitted, or left the queue)."""
+        for node, n in hold.pins:
+            self.tree.unpin(node)
+            self.prefetching -= n
+        hold.pins = []
+
+    # ------------------------------------------------------------------ completions
+
+    def apply(self, c: Completion) -> None:
+        """A read completed: its pages are in host memory now (and copy on to the GPU for a request), or, if it
+        failed verification, its nodes are marked failed and removed once nobody holds them."""
+        node: TreeNode = c.token
+        self.transfers.loading.pop(node.id, None)
+        load = self.transfers.disk_load(node)
+        parts = self._pieces(node, lambda p: self.transfers.get(p) is load)  # the node may have been split
+        n = len(c.results)
+        if all(c.results):
+            offset = 0
+            for part in parts:
+                host_pages = load.host_pages[offset : offset + part.num_pages]
+                offset += part.num_pages
+                self.tree.set_location(part, HOST, host_pages)
+                if load.to_device and part.on_device:
+                    self.transfers.set(part, self.copier.to_device(host_pages, part.device_pages))
+                    self.stats.moved(HOST, DEVICE, part.num_pages, self.page_bytes)
+                elif load.prefetch:
+                    self.transfers.set(part, PREFETCHED)
+                else:
+                    self.transfers.clear(part)
+            self.stats.moved(DISK, HOST, n, self.page_bytes)
+            self._observe_disk_read(n * self.page_bytes, c.seconds)
+        else:
+            self.host.free(load.host_pages)
+            self.stats.load_failures += 1
+            for part in parts:
+                self.transfers.set(part, FAILED)
+                self.transfers.mark_invalid(part)
+
+    @staticmethod
+    def _pieces(node: TreeNode, belongs: Callable[[TreeNode], bool]) -> list[TreeNode]:
+        """node and the ancestors split off it that still belong to the same transfer, top-down."""
+        parts = [node]
+        while (up := parts[0].parent) is not None and up.parent is not None and belongs(up):
+            parts.insert(0, up)
+        return parts
+
+    def _observe_disk_read(self, nbytes: int, seconds: float) -> None:
+        """Fold a measured L3 read into the cost model's disk bandwidth (EWMA), so decisions follow the disk."""
+        if seconds <= 0 or not self.cost.adaptive:
+            return
+        measured = nbytes / seconds
+        old = self.cost.disk_to_device_bytes_per_s
+        new = measured if not old else 0.8 * old + 0.2 * measured
+        self.cost = dataclasses.replace(self.cost, disk_to_device_bytes_per_s=new)
+
+    def loading_host_pages(self) -> Sequence[int]:
+        """Host pages that reads in flight are filling (owned by nobody in the tree yet)."""
+        return [p for node in self.transfers.loading.values() for p in self.transfers.disk_load(node).host_pages]

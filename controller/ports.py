@@ -1,0 +1,131 @@
+"""What the controller needs of the byte stores, as Protocols, and the null tiers that stand in for absent ones.
+
+The controller is typed against these, not against the concrete pools: the GPU and host pools of `tiers`,
+the metadata pools of the replay tool and the test doubles all fit. A server without a host tier or an
+L3 gets `NO_HOST` / `NO_L3`: a tier of zero pages that never holds anything, so the controller's parts
+need no "is there a host tier" branches; the write policies for an absent tier are `NoWrites`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from tiers.base import PageAllocator
+from tiers.copy import COMPLETED, TransferHandle
+
+
+class Pool(Protocol):
+    """A tier addressed by page id (GPU or host): `tiers.base.PagePool` less the byte access."""
+
+    page_bytes: int
+    capacity_pages: int
+    allocator: PageAllocator
+
+    def allocate(self, n: int) -> list[int] | None: ...
+
+    def free(self, pages: Sequence[int]) -> None: ...
+
+    def used_pages(self) -> int: ...
+
+
+class HostPool(Pool, Protocol):
+    """The host pool, whose pages the L3 store reads and writes in place."""
+
+    def page_view(self, page: int) -> Any: ...
+
+
+class Copier(Protocol):
+    """Page copies between the GPU and host pools (`tiers.copy`)."""
+
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> TransferHandle: ...
+
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> TransferHandle: ...
+
+
+class L3(Protocol):
+    """The disk tier as the controller sees it: an index to probe and keys to delete (bytes move through the
+    L3 worker)."""
+
+    capacity_pages: int
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def delete(self, keys: Sequence[bytes]) -> Any: ...
+
+
+class NoPool:
+    """An absent host tier: zero pages, nothing to allocate or free."""
+
+    page_bytes = 0
+    capacity_pages = 0
+
+    def __init__(self) -> None:
+        self.allocator = PageAllocator(0, "no host tier")
+
+    def allocate(self, n: int) -> list[int] | None:
+        return [] if n == 0 else None
+
+    def free(self, pages: Sequence[int]) -> None:
+        if len(pages):
+            raise RuntimeError(f"free of {len(pages)} pages in an absent tier")
+
+    def used_pages(self) -> int:
+        return 0
+
+    def page_view(self, page: int) -> Any:
+        raise RuntimeError("an absent host tier has no pages")
+
+
+class NoL3:
+    """An absent disk tier: holds nothing, so every probe misses."""
+
+    capacity_pages = 0
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [False] * len(keys)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        if len(keys):
+            raise RuntimeError(f"delete of {len(keys)} keys in an absent disk tier")
+        return 0
+
+    def close(self) -> None:
+        return None
+
+
+class NoWorker:
+    """The L3 worker of an absent disk tier: takes no writes, has nothing to report."""
+
+    queue_pages = 0
+    queued_write_pages = 0
+
+    def submit_write(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any], before: Any = None) -> bool:
+        return False
+
+    def submit_read(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any]) -> None:
+        raise RuntimeError("read from an absent disk tier")
+
+    def completions(self) -> list[Any]:
+        return []
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        return None
+
+
+class InstantCopier:
+    """Copies that need no bytes moved (metadata pools: the replay tool, tests): done at once."""
+
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> TransferHandle:
+        return COMPLETED
+
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> TransferHandle:
+        return COMPLETED
+
+
+NO_HOST = NoPool()
+NO_L3 = NoL3()
+NO_WORKER = NoWorker()

@@ -1,0 +1,135 @@
+"""The controller's transfer state: what is in flight for each tree node, kept beside the tree.
+
+The radix tree records where pages live; this table records what is moving them. Per node it holds
+one transfer: a copy handle (host -> GPU), a `DiskLoad` (an L3 -> host read in flight), or a marker
+(`FAILED`, `PREFETCHED`). It also holds the in-flight sets the controller's parts share: nodes whose
+L3 read or write is queued, GPU pages whose backup copy may still be reading them, and nodes whose
+data proved bad and are removed once nobody holds them.
+
+A split node's transfer belongs to both parts (the tree calls `_split`). A finished copy carries no
+information, so `ready` drops it; the markers stay until the node is loaded again or removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radix import RadixTree, TreeNode
+from tiers.copy import CompletedTransfer, TransferHandle
+
+
+class Marker(CompletedTransfer):
+    """A node state that, like a finished transfer, has nothing to wait for."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+# the node's data could not be loaded; it will be removed
+FAILED = Marker("FAILED")
+# the node's host copy was read from L3 for a queued request and has not been loaded since (so the request's
+# hit counts as a disk hit: the bytes came from L3)
+PREFETCHED = Marker("PREFETCHED")
+
+
+class DiskLoad:
+    """An L3 -> host read in flight for a node.
+
+    `to_device`: the read continues to the node's GPU pages (a request's load); a prefetch for a queued
+    request stops in host memory unless a request claims the node before the read lands. `prefetch`: started
+    for a queued request (its node is pinned by a PrefetchHold; a request's loads are locked by its ticket).
+    `eta`: when the read is expected to land (monotonic seconds; the cost model's view of the disk queue).
+    """
+
+    def __init__(self, host_pages: list[int], to_device: bool = True, prefetch: bool = False, eta: float = 0.0):
+        self.host_pages = host_pages
+        self.to_device = to_device
+        self.prefetch = prefetch
+        self.eta = eta
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise RuntimeError("wait on a disk load: wait for the L3 worker and poll the controller instead")
+
+
+class Transfers:
+    """Per-node transfer state and the in-flight sets (see the module doc). Engine thread only."""
+
+    def __init__(self, tree: RadixTree):
+        self._of: dict[TreeNode, Any] = {}
+        self.loading: dict[int, TreeNode] = {}  # node id -> node with an L3 read in flight
+        self.writing: dict[int, TreeNode] = {}  # node id -> node with an L3 write in flight
+        self.bounced: set[int] = set()  # node ids whose L3 write carries its own copy of the bytes
+        self.backups: dict[int, TransferHandle] = {}  # GPU page -> its latest GPU -> host copy (may be in flight)
+        self.invalid: dict[int, TreeNode] = {}  # nodes whose data is bad, removed once unlocked and unpinned
+        tree.split_listeners.append(self._split)
+
+    def get(self, node: TreeNode) -> Any:
+        """The node's transfer, or None."""
+        return self._of.get(node)
+
+    def set(self, node: TreeNode, transfer: Any) -> None:
+        self._of[node] = transfer
+
+    def clear(self, node: TreeNode) -> None:
+        self._of.pop(node, None)
+
+    def disk_load(self, node: TreeNode) -> DiskLoad | None:
+        t = self._of.get(node)
+        return t if isinstance(t, DiskLoad) else None
+
+    def failed(self, node: TreeNode) -> bool:
+        """Whether the node's load failed (a ticket holding it must give it up)."""
+        return self._of.get(node) is FAILED
+
+    def unusable(self, node: TreeNode) -> bool:
+        """Whether a match must stop before the node: its load failed or its data is bad."""
+        return self._of.get(node) is FAILED or node.id in self.invalid
+
+    def prefetched(self, node: TreeNode) -> bool:
+        return self._of.get(node) is PREFETCHED
+
+    def ready(self, node: TreeNode) -> bool:
+        """Whether the node's pages may be used now (nothing in flight, or it finished)."""
+        t = self._of.get(node)
+        if t is None:
+            return True
+        if not t.done():
+            return False
+        if not isinstance(t, Marker):
+            del self._of[node]  # a finished copy: nothing left to know
+        return True
+
+    def wait(self, node: TreeNode) -> None:
+        """Block the host until the node's copy has landed (not for disk loads: see `disk_load`)."""
+        t = self._of.get(node)
+        if t is not None and t is not FAILED:
+            t.wait()
+
+    def stream_wait(self, node: TreeNode) -> None:
+        """Make the current CUDA stream wait for the node's copy (no host blocking; no-op on CPU copies)."""
+        wait = getattr(self._of.get(node), "stream_wait", None)
+        if wait is not None:
+            wait()
+
+    def mark_invalid(self, node: TreeNode) -> None:
+        self.invalid[node.id] = node
+
+    def forget(self, node: TreeNode) -> None:
+        """Drop a removed node's entries."""
+        self._of.pop(node, None)
+        self.invalid.pop(node.id, None)
+
+    def in_flight(self) -> int:
+        """Nodes with a transfer still moving their pages (a settled controller has none)."""
+        return sum(1 for t in self._of.values() if not t.done()) + len(self.loading) + len(self.writing)
+
+    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
+        t = self._of.get(lower)
+        if t is not None:
+            self._of[upper] = t

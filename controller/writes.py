@@ -1,0 +1,309 @@
+"""Writes: copying pages down a tier (GPU -> host, host -> L3), under a write policy per tier.
+
+A policy is a strategy object that answers three events for a node: it was just computed
+(`on_commit`), it was hit again (`on_hit`), or it is about to leave its tier (`on_evict`):
+- `WriteThrough` copies at commit, and again on a hit where an earlier copy was refused;
+- `DeferredWriteThrough` (GPU -> host only) queues commit-time copies while the GPU pool has room to
+  spare, starts them in slices once it fills, when the engine idles, or on eviction;
+- `SelectiveWriteThrough` copies once a node has been hit `hits` times;
+- `WriteBack` copies on eviction;
+- `NoWrites` stands for a tier that is absent.
+
+GPU -> host copies go through the copier; host -> L3 writes through the L3 worker's bounded queue.
+A node larger than the largest write the queue takes is split and written in parts. A write that
+cannot be made is dropped and counted in `stats.drops` by reason: `host_full`, `l3_queue_full`,
+`disk_full`, `l3_write_failed`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from controller.eviction import Eviction
+from controller.l3_io import Completion, L3Worker
+from controller.policy import WritePolicy
+from controller.ports import L3, Copier, HostPool, Pool
+from controller.stats import CacheStats
+from controller.transfers import Transfers
+from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
+from tiers.copy import COMPLETED, TransferHandle
+
+# A deferred write-through backlog starts at most about this many bytes per engine step (`begin_step`). Starting
+# a whole backlog at once (24 GB after a 32k-token burst on the H200) queued thousands of copy operations: the
+# engine thread then blocked in CUDA launches until the copy engines drained. 1 GiB is ~20 ms of PCIe 5 copying.
+FLUSH_SLICE_BYTES = 1 << 30
+
+
+class TierWrites:
+    """When one tier's pages are copied to the tier below (see the module doc). The base copies never."""
+
+    name = "none"
+    defers = False  # commit-time copies may wait for memory pressure (DeferredWriteThrough)
+    counts_hits = False  # a hit is reported to the L3's admission rule before the copy is retried
+
+    def on_commit(self, node: TreeNode) -> bool:
+        return False
+
+    def on_hit(self, node: TreeNode) -> bool:
+        return False
+
+    def on_evict(self, node: TreeNode) -> bool:
+        return False
+
+
+class NoWrites(TierWrites):
+    """The tier below is absent."""
+
+
+class WriteThrough(TierWrites):
+    name = "write_through"
+    counts_hits = True
+
+    def on_commit(self, node: TreeNode) -> bool:
+        return True
+
+    def on_hit(self, node: TreeNode) -> bool:
+        return True  # the copy made at commit was refused (full tier or queue), or evicted below: again
+
+
+class DeferredWriteThrough(WriteThrough):
+    name = "write_through (deferred)"
+    defers = True
+
+    def __init__(self, defer_above_free: float):
+        self.defer_above_free = defer_above_free
+
+    def on_evict(self, node: TreeNode) -> bool:
+        return True  # its queued copy had not started yet
+
+
+class SelectiveWriteThrough(TierWrites):
+    name = "write_through_selective"
+
+    def __init__(self, hits: int):
+        self.hits = hits
+
+    def on_hit(self, node: TreeNode) -> bool:
+        return node.hit_count >= self.hits
+
+
+class WriteBack(TierWrites):
+    name = "write_back"
+
+    def on_evict(self, node: TreeNode) -> bool:
+        return True
+
+
+def tier_writes(mode: str, policy: WritePolicy, deferrable: bool = False) -> TierWrites:
+    """The strategy for one tier's `mode` (a name of `controller.policy.WRITE_POLICIES`)."""
+    if mode == "write_back":
+        return WriteBack()
+    if mode == "write_through_selective":
+        return SelectiveWriteThrough(policy.selective_hits)
+    if deferrable and policy.defers_backups:
+        return DeferredWriteThrough(policy.defer_above_free)
+    return WriteThrough()
+
+
+def page_buffers(host: Any, pages: Sequence[int]) -> list[Any]:
+    """The buffers the L3 store reads and writes for these host pages (the ids themselves for a pool without
+    bytes)."""
+    view = getattr(host, "page_view", None)
+    return [view(p) for p in pages] if view is not None else list(pages)
+
+
+class Writes:
+    """The write mechanism under two strategies, `to_host` and `to_disk` (see the module doc)."""
+
+    def __init__(self, tree: RadixTree, device: Pool, host: HostPool, l3: L3, copier: Copier,
+                 worker: L3Worker, eviction: Eviction, transfers: Transfers, stats: CacheStats,
+                 to_host: TierWrites, to_disk: TierWrites, page_bytes: int):
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.l3 = l3
+        self.copier = copier
+        self.worker = worker
+        self.eviction = eviction
+        self.transfers = transfers
+        self.stats = stats
+        self.to_host = to_host
+        self.to_disk = to_disk
+        self.page_bytes = page_bytes
+        # the largest write the L3 queue takes whole: a larger node is written in parts
+        self.max_write_pages = max(1, worker.queue_pages)
+        self.deferred: deque[TreeNode] = deque()  # committed nodes whose copy to host waits (oldest first)
+        self.flush_slice_pages = max(1, FLUSH_SLICE_BYTES // max(1, page_bytes))  # see FLUSH_SLICE_BYTES
+        self._flush_budget = self.flush_slice_pages  # backlog pages this step may still start (begin_step renews)
+        eviction.hook = self
+
+    # ------------------------------------------------------------------ events
+
+    def committed(self, nodes: Sequence[TreeNode]) -> None:
+        """Newly computed nodes entered the tree: back them up now, or queue them while the GPU has room."""
+        nodes = [n for n in nodes if self.to_host.on_commit(n)]
+        if not nodes:
+            return
+        if self.deferring():
+            self.deferred.extend(nodes)
+            self.stats.deferred_pages += sum(n.num_pages for n in nodes)
+            return
+        self.flush_slice()
+        for node in nodes:
+            self.backup_to_host(node)
+
+    def hit(self, nodes: Sequence[TreeNode]) -> None:
+        """A request used these nodes: copies the policies make on hits, and retries of refused write-through."""
+        for node in nodes:
+            if not node.on_host and node.on_device and self.to_host.on_hit(node) and not self.deferring():
+                self.backup_to_host(node)
+            if node.on_host and not node.on_disk and self.to_disk.on_hit(node):
+                if self.to_disk.counts_hits:
+                    note = getattr(self.l3, "note_hit", None)
+                    if note is not None:
+                        note(node.keys)
+                self.write_to_disk(node)
+
+    def evicting(self, tier: str, node: TreeNode) -> None:
+        """EvictionHook: the last chance to copy a node's pages down before they leave `tier`."""
+        if tier == DEVICE:
+            if not node.on_host and self.to_host.on_evict(node) and self.backup_to_host(node):
+                self.stats.eviction_backups += node.num_pages  # freeing its pages waits for this copy
+        elif tier == HOST:
+            if not node.on_disk and node.id not in self.transfers.writing and self.to_disk.on_evict(node):
+                self.write_to_disk(node, bounce=True)
+
+    # ------------------------------------------------------------------ deferred write-through
+
+    def deferring(self) -> bool:
+        """Whether new commit-time copies wait: the policy defers and the GPU pool has room to spare."""
+        t = self.to_host
+        return t.defers and self.device.allocator.free_pages > t.defer_above_free * self.device.capacity_pages
+
+    def begin_step(self) -> None:
+        """The engine starts a step: renew the step's slice of the deferred backlog (`flush_slice_pages`)."""
+        self._flush_budget = self.flush_slice_pages
+
+    def allocated(self) -> None:
+        """GPU pages were handed out: once the pool is no longer roomy, start this step's slice of the backlog."""
+        if self.deferred and not self.deferring():
+            self.flush_slice()
+
+    def flush_slice(self) -> None:
+        """Start what is left of this step's slice of the deferred backlog."""
+        if self.deferred and self._flush_budget > 0:
+            self._flush_budget -= self.flush_backups(self._flush_budget)
+
+    def flush_backups(self, limit: int | None = None) -> int:
+        """Start deferred copies, oldest first, until `limit` pages (whole nodes; None: all) have started;
+        returns the pages copied.
+
+        A queued node may have been split since (its upper part is then an ancestor, which may still wait
+        after the lower part was evicted), evicted, or copied already. So each queued node's path is walked
+        up to the first GPU node with a host copy.
+        """
+        copied = 0
+        while self.deferred and (limit is None or copied < limit):
+            chain = []
+            walk = self.deferred.popleft()
+            while not walk.removed and (not walk.on_device or not walk.on_host):
+                if walk.on_device:
+                    chain.append(walk)
+                walk = walk.parent
+            for node in reversed(chain):
+                if self.backup_to_host(node):
+                    copied += node.num_pages
+        return copied
+
+    # ------------------------------------------------------------------ the copies
+
+    def backup_to_host(self, node: TreeNode) -> bool:
+        """Copy a node's GPU pages to new host pages; False (counted) if the host is full."""
+        if node.on_host or not node.on_device:
+            return node.on_host
+        if self.transfers.failed(node) or not self.transfers.ready(node):
+            return False  # its own load is in flight (or failed): nothing to back up yet
+        n = node.num_pages
+        host_pages = self.eviction.allocate(HOST, n, protect=node)
+        if host_pages is None:
+            self.stats.drops["host_full"] += n
+            return False
+        handle = self.copier.to_host(node.device_pages, host_pages)
+        if handle is not COMPLETED:
+            self.transfers.backups.update(dict.fromkeys(node.device_pages, handle))
+        self.tree.set_location(node, HOST, host_pages)
+        self.stats.moved(DEVICE, HOST, n, self.page_bytes)
+        if self.to_disk.on_commit(node):
+            self.write_to_disk(node, handle)
+        return True
+
+    def write_to_disk(self, node: TreeNode, handle: TransferHandle | None = None, bounce: bool = False) -> bool:
+        """Queue L3 writes of a node's host pages, in parts of at most `max_write_pages`; True if all of it is
+        on disk or queued. Without `bounce` each part stays pinned in host memory until its write completes;
+        with it the bytes are copied first so the host pages can be freed now."""
+        if node.on_disk or node.id in self.transfers.writing or not node.on_host:
+            return node.on_disk
+        parts = []
+        while node.num_pages > self.max_write_pages:
+            parts.append(self.tree.split(node, self.max_write_pages))  # the upper part: the first pages
+        parts.append(node)
+        for i, part in enumerate(parts):
+            refused = self._write_part(part, handle, bounce)
+            if refused is not None:  # the parts after it would be refused the same way
+                self.stats.drops[refused] += sum(p.num_pages for p in parts[i:])
+                return False
+        return True
+
+    def _write_part(self, node: TreeNode, handle: TransferHandle | None, bounce: bool) -> str | None:
+        """Queue one write of at most `max_write_pages`; None, or the reason it was refused."""
+        n = node.num_pages
+        # a full queue refuses the write: found out first, before disk pages are evicted to make room for it and
+        # before one page view (or, bouncing, one copy) per page is made, all for nothing
+        if self.worker.queued_write_pages + n > self.worker.queue_pages:
+            return "l3_queue_full"
+        if not self.eviction.make_disk_room(n):
+            return "disk_full"
+        if handle is not None and bounce:
+            handle.wait()
+        pages = page_buffers(self.host, node.host_pages)
+        if bounce:
+            pages = [p.clone() if hasattr(p, "clone") else p for p in pages]
+        before = handle.wait if handle is not None and not bounce else None
+        if not self.worker.submit_write(node, node.keys, pages, before):
+            return "l3_queue_full"
+        self.transfers.writing[node.id] = node
+        if bounce:  # the write owns its bytes: record the page as on disk now so the node may leave host
+            self.transfers.bounced.add(node.id)
+            self.tree.set_location(node, DISK, list(node.keys))
+        else:  # the host pages must outlive the write: pin them (the GPU copy may still be evicted)
+            self.eviction.disk_inflight += n
+            self.tree.pin(node)
+        self.stats.moved(HOST, DISK, n, self.page_bytes)
+        return None
+
+    # ------------------------------------------------------------------ completions
+
+    def apply(self, c: Completion) -> None:
+        """A write completed: record its pages as on disk (or count the failure)."""
+        node: TreeNode = c.token
+        self.transfers.writing.pop(node.id, None)
+        if node.id in self.transfers.bounced:
+            self.transfers.bounced.discard(node.id)
+            if not all(c.results):  # recorded on disk at submit; undo, with what hangs below
+                self.stats.drops["l3_write_failed"] += c.results.count(False)
+                if not node.removed:
+                    self.transfers.mark_invalid(node)
+            return
+        self.eviction.disk_inflight -= len(c.results)
+        self.tree.unpin(node)
+        if not all(c.results):
+            self.stats.drops["l3_write_failed"] += c.results.count(False)
+            return
+        # the node may have been split since: its upper parts are ancestors holding keys of this write
+        part = node
+        while not part.removed and part.keys[0] in c.keys:
+            if not part.on_disk:
+                self.tree.set_location(part, DISK, list(part.keys))
+            part = part.parent
