@@ -21,9 +21,9 @@ from hicache.replay.trace import read_trace
 CASES = [
     ("GPU only, 10,000 blocks (LRU)", (10_000, 0, 0), WritePolicy()),
     ("GPU only, unlimited", (10**6, 0, 0), WritePolicy()),
-    ("2k/5k/10k, write_through/write_through", (2_000, 5_000, 10_000), WritePolicy("write_through", "write_through")),
-    ("2k/5k/10k, write_through/write_back", (2_000, 5_000, 10_000), WritePolicy("write_through", "write_back")),
-    ("400/1k/3k, write_through/write_back", (400, 1_000, 3_000), WritePolicy("write_through", "write_back")),
+    ("2k/5k/10k, write_through/write_through", (2_000, 5_000, 10_000), WritePolicy.eager()),
+    ("2k/5k/10k, write_through/write_back", (2_000, 5_000, 10_000), WritePolicy.eager("write_back")),
+    ("400/1k/3k, write_through/write_back", (400, 1_000, 3_000), WritePolicy.eager("write_back")),
 ]
 
 

@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 import yaml
 
+from controller.policy import WritePolicy
+
 DEFAULT_L3_GIB = 1.0
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-LOAD_POLICIES = ("auto", "always", "never")
-DTYPES = ("float32", "bfloat16", "float16")
+_WRITE_DEFAULTS = WritePolicy()  # the write policies' defaults have one home: controller.policy
 
 
 class ConfigError(ValueError):
@@ -72,12 +72,14 @@ class L3Config:
 
 @dataclass(frozen=True)
 class WritePolicyConfig:
-    device_to_host: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
-    host_to_disk: Literal["write_through", "write_through_selective", "write_back"] = "write_back"
-    selective_hits: int = 2  # hits before write_through_selective backs a page up
+    """controller.policy.WritePolicy as configured; its defaults are that class's."""
+
+    device_to_host: Literal["write_through", "write_through_selective", "write_back"] = _WRITE_DEFAULTS.device_to_host
+    host_to_disk: Literal["write_through", "write_through_selective", "write_back"] = _WRITE_DEFAULTS.host_to_disk
+    selective_hits: int = _WRITE_DEFAULTS.selective_hits  # hits before write_through_selective copies a page down
     # write_through: while more than this share of the GPU pool is free, new pages' host copies wait (for the pool
     # to fill, for their eviction, or for the engine to idle); 1.0 copies every page as soon as it is computed
-    defer_above_free: float = 0.25
+    defer_above_free: float = _WRITE_DEFAULTS.defer_above_free
 
 
 @dataclass(frozen=True)

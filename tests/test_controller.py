@@ -38,8 +38,8 @@ class Harness:
         self.copier = copier
         if self.l3 is not None:
             worker = worker(self.l3) if worker is not None else L3Worker(self.l3, synchronous=True)
-        self.ctrl = TierController(RadixTree(LAYOUT.page_size), self.dev, self.host, self.l3, copier, policy,
-                                   cost, worker, prefetch=prefetch)
+        self.ctrl = TierController(RadixTree(LAYOUT.page_size), self.dev, self.host, self.l3, copier,
+                                   policy or WritePolicy.eager(), cost, worker, prefetch=prefetch)
 
     def run(self, tokens: list[int]) -> dict[str, int]:
         """One request: acquire, verify cached bytes, compute the rest, commit, release."""
@@ -457,7 +457,7 @@ def test_queue_full_drops_demotions():
     dev = DevicePool(LAYOUT, 4, torch.float32, "cpu")
     host = HostPool(LAYOUT, 8, torch.float32)
     l3 = MemoryL3(8, LAYOUT.page_bytes)
-    ctrl = TierController(RadixTree(2), dev, host, l3, PageCopier(dev, host), WritePolicy(), None,
+    ctrl = TierController(RadixTree(2), dev, host, l3, PageCopier(dev, host), WritePolicy.eager(), None,
                           Stuck(l3, synchronous=True))
     t = ctrl.acquire(seq(1, 2), max_pages=2)
     pages = ctrl.alloc_device(2)
@@ -481,7 +481,7 @@ def test_refused_l3_write_evicts_nothing_from_the_disk():
     host = HostPool(LAYOUT, 8, torch.float32)
     l3 = MemoryL3(2, LAYOUT.page_bytes)
     worker = Busy(l3, synchronous=True)
-    ctrl = TierController(RadixTree(2), dev, host, l3, PageCopier(dev, host), WritePolicy(), None, worker)
+    ctrl = TierController(RadixTree(2), dev, host, l3, PageCopier(dev, host), WritePolicy.eager(), None, worker)
     for first in (1, 2):
         t = ctrl.acquire(seq(first, 2), max_pages=2)
         ctrl.commit(t, seq(first, 2), ctrl.alloc_device(2))
@@ -530,7 +530,7 @@ def test_disk_needs_host():
                  min_size=1, max_size=25),
     sizes=st.sampled_from([(3, 5, 9), (4, 8, 0), (6, 0, 0), (64, 64, 64), (3, 3, 4)]),
     policy=st.sampled_from([
-        WritePolicy(), WritePolicy("write_back", "write_back"),
+        WritePolicy.eager(), WritePolicy("write_back", "write_back"),
         WritePolicy("write_through_selective", "write_through_selective", 1),
         WritePolicy("write_through", "write_back"),
         WritePolicy("write_through", "write_through", defer_above_free=0.5),

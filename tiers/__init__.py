@@ -8,6 +8,7 @@ from tiers.copy import CompletedTransfer, LaunchLater, PageCopier, TransferHandl
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
 from tiers.metadata_pool import MetadataPool
+from tiers.pinned import map_host_tensor
 
 __all__ = [
     "CompletedTransfer",
@@ -22,4 +23,5 @@ __all__ = [
     "PageStore",
     "TransferHandle",
     "make_copier",
+    "map_host_tensor",
 ]

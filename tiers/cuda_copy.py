@@ -20,27 +20,11 @@ import torch
 
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
+from tiers.pinned import map_host_tensor
 
 # per staging buffer; two of them (256 MiB measured no faster: bench/RESULTS.md, 'Host <-> GPU page transfers')
 STAGING_BYTES = 64 << 20
 ZERO_COPY_MAX_PAGE_BYTES = 1 << 20  # below this page size the mapped-memory kernels win (bench/transfer_bench.py)
-
-
-def map_host_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """A CUDA tensor aliasing pinned host `tensor` through unified addressing, or None if unavailable."""
-    try:
-        import cupy
-    except ImportError:
-        return None
-    try:
-        nbytes = tensor.numel() * tensor.element_size()
-        with cupy.cuda.Device(device.index or 0):
-            mem = cupy.cuda.UnownedMemory(tensor.data_ptr(), nbytes, tensor, device_id=device.index or 0)
-            array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-            alias = torch.as_tensor(array, device=device)
-        return alias.view(tensor.dtype).view(tensor.shape)
-    except Exception:  # noqa: BLE001 - any failure means: no mapping, use the DMA path
-        return None
 
 
 class CudaTransfer:

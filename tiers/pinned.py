@@ -97,3 +97,20 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, threads: int | None
     logger.info("pinned %.1f GiB in %.1f s (%d threads faulted it in in %.1f s, registration %.1f s)",
                 nbytes / 2**30, done - start, threads, touched - start, done - touched)
     return tensor
+
+
+def map_host_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor aliasing pinned host `tensor` through unified addressing, or None if unavailable."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    try:
+        nbytes = tensor.numel() * tensor.element_size()
+        with cupy.cuda.Device(device.index or 0):
+            mem = cupy.cuda.UnownedMemory(tensor.data_ptr(), nbytes, tensor, device_id=device.index or 0)
+            array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+            alias = torch.as_tensor(array, device=device)
+        return alias.view(tensor.dtype).view(tensor.shape)
+    except Exception:  # noqa: BLE001 - any failure means: no mapping, use the DMA path
+        return None

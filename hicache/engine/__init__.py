@@ -1,15 +1,16 @@
 """The inference engine: model, weights, tokenizer, sampling (model half); scheduler, engine, runners, LLM.
 
-The request-level SamplingParams (max_tokens, stop, ...) is hicache.SamplingParams (hicache.engine.params).
+SamplingParams (hicache.engine.params) is a request's: the sampler's knobs (SamplerParams) plus when to stop.
 """
 
 from hicache.engine.builder import build_engine
 from hicache.engine.engine import Engine
 from hicache.engine.llm import LLM
-from hicache.engine.model import ForwardBatch, LlamaModel, ModelConfig
+from hicache.engine.model import ForwardBatch, LlamaConfig, LlamaModel
+from hicache.engine.params import SamplingParams
 from hicache.engine.request import RequestOutput, StepOutput, Usage
 from hicache.engine.runner import AsyncEngine, EngineThread
-from hicache.engine.sampling import SamplingParams, make_generator, sample
+from hicache.engine.sampling import SamplerParams, make_generator, sample
 from hicache.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from hicache.engine.weights import DEFAULT_MODEL, load_model, model_choices
 
@@ -26,7 +27,8 @@ __all__ = [
     "ForwardBatch",
     "IncrementalDetokenizer",
     "LlamaModel",
-    "ModelConfig",
+    "LlamaConfig",
+    "SamplerParams",
     "SamplingParams",
     "Tokenizer",
     "load_model",

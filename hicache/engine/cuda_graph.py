@@ -24,7 +24,7 @@ from torch import Tensor
 
 from hicache.engine.attention import DecodePlan
 from hicache.engine.host_io import kernel_copy
-from tiers.cuda_copy import map_host_tensor
+from tiers import map_host_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from hicache.engine.model import ForwardBatch, LlamaModel
-from hicache.engine.sampling import SamplingParams, make_generator, sample
+from hicache.engine.sampling import SamplerParams, make_generator, sample
 
 
 def allocate_kv(model: LlamaModel, num_pages: int, page_size: int) -> Tensor:
@@ -21,7 +21,7 @@ def generate(
     model: LlamaModel,
     prompts: list[list[int]],
     max_new_tokens: int,
-    params: SamplingParams | None = None,
+    params: SamplerParams | None = None,
     page_size: int = 16,
     stop_ids: list[int] | None = None,
 ) -> list[list[int]]:
@@ -29,7 +29,7 @@ def generate(
 
     A sequence stops at `max_new_tokens` or after emitting one of `stop_ids`.
     """
-    params = params or SamplingParams(temperature=0.0)
+    params = params or SamplerParams(temperature=0.0)
     device = model.device
     pages_per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // page_size)
     kv = allocate_kv(model, pages_per_seq * len(prompts), page_size)

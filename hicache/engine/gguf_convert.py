@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from hicache.engine.model import ModelConfig
 from hicache.engine.tokenizer import Tokenizer
+from hicache.modelinfo import LlamaConfig
 
 FORMAT_VERSION = 1
 # GGUF tensor name (after "blk.N.") -> our parameter name (after "layers.N.")
@@ -53,8 +53,8 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def gguf_model_config(reader: Any, name: str, revision: str) -> ModelConfig:
-    """ModelConfig from a GGUF file's `llama.*` metadata."""
+def gguf_model_config(reader: Any, name: str, revision: str) -> LlamaConfig:
+    """LlamaConfig from a GGUF file's `llama.*` metadata."""
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported; only 'llama'")
@@ -66,7 +66,7 @@ def gguf_model_config(reader: Any, name: str, revision: str) -> ModelConfig:
     rope_scaling = None
     if _field(reader, "llama.rope.scaling.type") not in (None, "none"):
         raise ValueError("GGUF rope scaling is not supported")
-    return ModelConfig(
+    return LlamaConfig(
         vocab_size=int(_field(reader, "llama.vocab_size", embedding.shape[-1])),
         hidden_size=hidden,
         intermediate_size=_field(reader, "llama.feed_forward_length"),
@@ -86,7 +86,7 @@ def gguf_model_config(reader: Any, name: str, revision: str) -> ModelConfig:
     )
 
 
-def gguf_state_dict(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
+def gguf_state_dict(reader: Any, config: LlamaConfig) -> dict[str, torch.Tensor]:
     """All tensors dequantized to float32 under our names, Q/K rows un-permuted (tqdm progress)."""
     from gguf.quants import dequantize
 

@@ -7,7 +7,7 @@ copy on the compute stream completes only after it (39 ms), and a pageable GPU -
 wait for the page loads and backups the controller overlaps with compute.
 
 `HostStaging` moves them with GPU kernels instead: a pinned int64 buffer mapped into the GPU's address
-space (unified addressing, the same mapping tiers.cuda_copy uses for small pages) that a kernel reads
+space (unified addressing, the same mapping tiers.map_host_tensor gives the copier for small pages) that a kernel reads
 (inputs) or writes (sampled tokens). Without the mapping (no CUDA, or no CuPy to wrap the pointer) it
 falls back to ordinary copies.
 """
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tiers.cuda_copy import map_host_tensor
+from tiers import map_host_tensor
 
 
 def kernel_copy(dst: Tensor, src: Tensor) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,119 +19,7 @@ from hicache.engine import fused_ops
 from hicache.engine.attention import DecodePlan, paged_attention, plan_attention
 from hicache.engine.decode_kernel import kernel_supported
 from hicache.engine.prefill_kernel import prefix_kernel_available
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shapes and constants of a Llama-family model; `name` and `revision` identify the weights."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    name: str = "unnamed"
-    revision: str = "unknown"
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ("llama3", "default"):
-            raise ValueError(f"unsupported rope_scaling {self.rope_scaling}; supported: llama3")
-
-    @classmethod
-    def from_hf_config(
-        cls, hf: dict[str, Any], name: str = "unnamed", revision: str = "unknown"
-    ) -> ModelConfig:
-        """Read a Hugging Face config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
-        model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: llama, qwen2, mistral")
-        if hf.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
-        if hf.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_scaling = None
-        if rope_type != "default":
-            rope_scaling = {**rope, "rope_type": rope_type}
-            rope_scaling.pop("type", None)
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        num_heads = hf["num_attention_heads"]
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            name=name,
-            revision=revision,
-        )
-
-    def to_hf_config(self) -> dict[str, Any]:
-        """The config.json dict `from_hf_config` reads back (used for converted-model caches)."""
-        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        rope.update(self.rope_scaling or {})
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": rope,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids),
-        }
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V over all layers for one token."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
-
-    def fingerprint_fields(self, dtype: torch.dtype) -> dict[str, str | int]:
-        """Everything about the model that changes KV bytes: the KV cache's namespace."""
-        return {
-            "model": self.name,
-            "revision": self.revision,
-            "dtype": str(dtype).removeprefix("torch."),
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-        }
+from hicache.modelinfo import LlamaConfig
 
 
 @dataclass
@@ -154,7 +41,7 @@ class ForwardBatch:
     last_rows: Tensor | None = None
 
 
-def rope_inv_freq(config: ModelConfig) -> Tensor:
+def rope_inv_freq(config: LlamaConfig) -> Tensor:
     """Inverse frequencies [head_dim // 2] in float32, with Llama-3 long-context scaling if configured."""
     dim = config.head_dim
     inv_freq = 1.0 / (
@@ -237,7 +124,7 @@ class Attention(nn.Module):
     Loads with HF's separate q/k/v projections; `fuse` replaces them with one `qkv_proj`.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads,
@@ -276,7 +163,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). `fuse` replaces gate_proj and up_proj by gate_up_proj."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -301,7 +188,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)), both added to x in place."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
@@ -321,7 +208,7 @@ class LlamaModel(nn.Module):
     Build on the meta device, `load_state_dict(..., assign=True)` (HF names), then `fuse_projections()`.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

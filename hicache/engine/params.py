@@ -9,8 +9,8 @@ from hicache.engine import sampling
 
 
 @dataclass(frozen=True)
-class SamplingParams(sampling.SamplingParams):
-    """How one request samples and when it stops; usable wherever `sampling.SamplingParams` is.
+class SamplingParams(sampling.SamplerParams):
+    """How one request samples and when it stops; usable wherever `sampling.SamplerParams` is.
 
     max_tokens None means the scheduler's default_max_tokens; `stop` strings end generation when the
     decoded text contains one (the stop string itself is trimmed); `stop_token_ids` (and the model's
@@ -38,10 +38,10 @@ class SamplingParams(sampling.SamplingParams):
             raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
 
     @classmethod
-    def of(cls, params: sampling.SamplingParams | dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:
+    def of(cls, params: sampling.SamplerParams | dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:
         """Coerce `params` (ours, the sampler's, a dict or None) plus keyword overrides into SamplingParams."""
         values: dict[str, Any] = {}
-        if isinstance(params, sampling.SamplingParams):
+        if isinstance(params, sampling.SamplerParams):
             values = {f.name: getattr(params, f.name) for f in fields(params)}
         elif isinstance(params, dict):
             values = dict(params)

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.engine.params import SamplingParams
-
-TIER_NAMES = ("device", "host", "disk")
+from radix import TIERS
 
 
 class Status(enum.Enum):
@@ -111,7 +110,7 @@ class Request:
 
     def usage(self) -> Usage:
         cached = self.cached_tokens or {}
-        return Usage(self.prompt_len, self.num_output, {t: cached.get(t, 0) for t in TIER_NAMES})
+        return Usage(self.prompt_len, self.num_output, {t: cached.get(t, 0) for t in TIERS})
 
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival

@@ -20,6 +20,7 @@ from typing import Any
 
 from hicache.engine.engine import Engine
 from hicache.engine.request import StepOutput, Usage
+from radix import TIERS
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ Sink = Callable[[StepOutput], None]
 
 def error_output(request_id: str, message: str, prompt_tokens: int = 0) -> StepOutput:
     """A final output reporting that a request failed before producing anything."""
-    usage = Usage(prompt_tokens, 0, {"device": 0, "host": 0, "disk": 0})
+    usage = Usage(prompt_tokens, 0, dict.fromkeys(TIERS, 0))
     return StepOutput(request_id, [], "", True, "error", usage, message)
 
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplerParams:
     """How one request picks its next token. temperature 0 is greedy; top_k -1 and top_p 1 disable them.
 
     Invalid values raise ValueError naming the parameter.
@@ -45,7 +45,7 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+def make_generator(params: SamplerParams, device: torch.device) -> torch.Generator | None:
     """A generator seeded from `params.seed` (None without a seed). Keep one per request across steps."""
     if params.seed is None:
         return None
@@ -55,7 +55,7 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def sample(
-    logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
+    logits: Tensor, params: list[SamplerParams], generators: list[torch.Generator | None] | None = None
 ) -> Tensor:
     """Pick one token per row of `logits` [B, vocab]; returns int64 ids [B] on the logits' device.
 

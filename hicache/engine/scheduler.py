@@ -33,6 +33,7 @@ from typing import Any
 
 from controller import LoadTicket, TierController
 from hicache.engine.request import Request, Status
+from radix import DEVICE
 
 logger = logging.getLogger(__name__)
 
@@ -264,11 +265,11 @@ class Scheduler:
         req.pages = ticket.prefix_pages()  # the gap's pages come from alloc_device as it is computed
         req.committed_pages = len(req.pages)
         req.computed = req.committed_pages * ps  # tokens [0, computed) are cached
-        req.needs_stream_wait = any(tier != "device" for tier in ticket.hit_pages)
+        req.needs_stream_wait = any(tier != DEVICE for tier in ticket.hit_pages)
         if req.cached_tokens is None or req.status is Status.LOADING:  # first admission (or its retry)
             req.cached_tokens = {tier: pages * ps for tier, pages in ticket.hit_pages.items()}
-            if req.gap_tokens and "device" in req.cached_tokens:  # its own gap, committed before a failed load
-                req.cached_tokens["device"] = max(0, req.cached_tokens["device"] - req.gap_tokens)
+            if req.gap_tokens and DEVICE in req.cached_tokens:  # its own gap, committed before a failed load
+                req.cached_tokens[DEVICE] = max(0, req.cached_tokens[DEVICE] - req.gap_tokens)
         if ticket.prefix_ready() and not ticket.failed:
             self._start(req)
         else:

@@ -17,39 +17,15 @@ import torch
 from safetensors.torch import load_file
 
 from hicache.engine.gguf_convert import FORMAT_VERSION, convert_gguf
-from hicache.engine.model import LlamaModel, ModelConfig
+from hicache.engine.model import LlamaModel
 from hicache.engine.tokenizer import Tokenizer
+from hicache.modelinfo import RANDOM_PRESETS, LlamaConfig
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RANDOM_SEED = 0
-
-_LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-RANDOM_PRESETS: dict[str, ModelConfig] = {
-    "llama-3.1-8b": ModelConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
-        max_position_embeddings=131072,
-    ),
-    "qwen2.5-7b": ModelConfig(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
-        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
-        attention_bias=True,
-    ),
-    "tiny": ModelConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=16, rope_theta=10000.0, max_position_embeddings=2048,
-    ),
-}  # fmt: skip
-
 
 def model_choices() -> list[str]:
     """Names `load_model` accepts besides a Hugging Face directory path."""
@@ -169,7 +145,7 @@ def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> tu
         name, revision = meta["name"], meta["revision"]
     else:
         name, revision = directory.resolve().name, weights_revision(files)
-    config = ModelConfig.from_hf_config(hf_config, name=name, revision=revision)
+    config = LlamaConfig.from_hf_config(hf_config, name=name, revision=revision)
 
     state: dict[str, torch.Tensor] = {}
     load_device = "cpu" if device.type == "meta" else str(device)
@@ -204,7 +180,7 @@ def load_random(preset: str, dtype: torch.dtype, device: torch.device) -> tuple[
         raise ValueError(f"unknown model 'random:{preset}': expected one of {', '.join(model_choices())}")
     tokenizer = Tokenizer.byte_fallback()
     base = RANDOM_PRESETS[preset]
-    config = ModelConfig(
+    config = LlamaConfig(
         **{
             **base.__dict__,
             "name": f"random:{preset}",

@@ -19,7 +19,7 @@ from hicache.replay.reuse import ReuseProfile, stack_depths
 from hicache.replay.summary import CostInputs, format_table, summarize
 from hicache.replay.sweep import parse_sweep, plot_sweep, run_sweep
 from hicache.replay.trace import TRACE_LOG, Trace, TraceError, read_trace
-from radix import EVICTION_POLICIES
+from radix import DEVICE, EVICTION_POLICIES, TIERS
 
 # Cost-model values used when neither a flag nor the config gives one (reported as assumed).
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="YAML config: tier sizes, policies, model (for KV bytes per token)")
     p.add_argument("--block-tokens", type=int, help="tokens per hash_ids block (Mooncake: 512; a trace log "
                                                     "carries its own)")
-    for tier in ("device", "host", "disk"):
-        note = "at least one block" if tier == "device" else "0 disables it"
+    for tier in TIERS:
+        note = "at least one block" if tier == DEVICE else "0 disables it"
         p.add_argument(f"--{tier}-tokens", type=int, metavar="N", help=f"{tier} tier capacity in tokens ({note})")
     p.add_argument("--write-device-to-host", choices=WRITE_POLICIES, help="GPU -> host write policy")
     p.add_argument("--write-host-to-disk", choices=WRITE_POLICIES, help="host -> disk write policy")
@@ -148,14 +148,14 @@ def _sweep_table(points: list[dict]) -> str:
     lines = ["capacities in tokens; hit rates as % of blocks", head]
     for p in points:
         t = p.get("tiers")
-        sizes = [t[k]["tokens"] for k in ("device", "host", "disk")] if t else [p["sizes_tokens"].get(k, "-")
-                                                                             for k in ("device", "host", "disk")]
+        sizes = [t[k]["tokens"] for k in TIERS] if t else [p["sizes_tokens"].get(k, "-")
+                                                                             for k in TIERS]
         cells = "".join(f"{s:>12,}" if isinstance(s, int) else f"{s:>12}" for s in sizes)
         if "skipped" in p:
             lines.append(f"{cells}  skipped: {p['skipped']}")
             continue
         rd = p.get("disk", {}).get("bytes_read", 0) / (1 << 30)
-        lines.append(cells + "".join(f"{p['hit_rate'][k]:>8.1%}" for k in ("device", "host", "disk"))
+        lines.append(cells + "".join(f"{p['hit_rate'][k]:>8.1%}" for k in TIERS)
                      + f"{p['total_hit_rate']:>8.1%}{rd:>13,.2f}")
     return "\n".join(lines)
 

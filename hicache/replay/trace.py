@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from radix import TIERS
+
 TRACE_LOG_VERSION = 1
 MOONCAKE, TRACE_LOG = "mooncake", "trace-log"
-TIER_NAMES = ("device", "host", "disk")
+
 
 
 class TraceError(ValueError):
@@ -95,7 +97,7 @@ def trace_record(
         "output_length": output_length,
         "block_tokens": block_tokens,
         "hash_ids": ids,
-        "cached_tokens": {t: int(cached_tokens.get(t, 0)) for t in TIER_NAMES},
+        "cached_tokens": {t: int(cached_tokens.get(t, 0)) for t in TIERS},
         "ttft_ms": ttft_ms,
     }
 
@@ -136,9 +138,9 @@ def _parse(obj: Any, fmt: str, block_tokens: int) -> TraceRecord:
         if bt != block_tokens:
             raise ValueError(f"block_tokens {bt} differs from the trace's {block_tokens}")
         cached = obj.get("cached_tokens") or {}
-        if not isinstance(cached, dict) or set(cached) - set(TIER_NAMES):
-            raise ValueError(f"cached_tokens must map {list(TIER_NAMES)} to token counts, got {cached!r}")
-        rec.cached_tokens = {t: _int(cached, t) if t in cached else 0 for t in TIER_NAMES}
+        if not isinstance(cached, dict) or set(cached) - set(TIERS):
+            raise ValueError(f"cached_tokens must map {list(TIERS)} to token counts, got {cached!r}")
+        rec.cached_tokens = {t: _int(cached, t) if t in cached else 0 for t in TIERS}
         ttft = obj.get("ttft_ms")
         rec.ttft_ms = float(ttft) if isinstance(ttft, (int, float)) and not isinstance(ttft, bool) else None
     return rec

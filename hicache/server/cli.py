@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hicache.config import Config, ConfigError, ServerConfig, load_config, override, set_tier_tokens
+from radix import DEVICE, TIERS
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help=f"port (default {_SERVER.port}; server.port)")
     p.add_argument("--l3-path", help="NVMe store directory (cache.l3.path); the disk tier is on when set")
     p.add_argument("--no-l3", action="store_true", help="disable the disk tier")
-    for tier in ("device", "host", "disk"):
-        note = "at least one page" if tier == "device" else "0 disables it"
+    for tier in TIERS:
+        note = "at least one page" if tier == DEVICE else "0 disables it"
         p.add_argument(f"--{tier}-tokens", type=int, metavar="N", help=f"{tier} tier capacity in tokens ({note})")
     p.add_argument("--page-size", type=int, help="tokens per KV page (cache.page_size)")
     p.add_argument("--load-mode", choices=("auto", "always", "never"), help="cache.load_policy.mode")
@@ -86,7 +87,7 @@ def build_config(args: argparse.Namespace) -> Config:
     cfg = override(cfg, {k: v for k, v in dotted.items() if v is not None})
     if args.no_l3:
         cfg = override(cfg, {"cache.l3.path": None})
-    for tier in ("device", "host", "disk"):
+    for tier in TIERS:
         tokens = getattr(args, f"{tier}_tokens")
         if tokens is not None:
             cfg = set_tier_tokens(cfg, tier, tokens)

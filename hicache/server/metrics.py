@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from hicache import gc_stats
+from radix import DEVICE, DISK, HOST, TIERS
 
-TIERS = ("device", "host", "disk")
-PROMOTIONS = (("host", "device"), ("disk", "host"), ("disk", "device"))
-DEMOTIONS = (("device", "host"), ("host", "disk"), ("device", "disk"))
+PROMOTIONS = ((HOST, DEVICE), (DISK, HOST), (DISK, DEVICE))
+DEMOTIONS = ((DEVICE, HOST), (HOST, DISK), (DEVICE, DISK))
 L3_STATES = ("ok", "probing", "degraded", "read_only", "disabled")
 L3_COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "hits", "misses", "checksum_failures",
                "read_errors", "write_errors", "evictions", "fsyncs")

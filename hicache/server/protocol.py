@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from hicache.engine.params import SamplingParams
-from hicache.engine.request import TIER_NAMES, Usage
+from hicache.engine.request import Usage
+from radix import TIERS
 
 
 class APIError(Exception):
@@ -91,7 +92,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def usage_body(usage: Usage) -> dict[str, Any]:
     """OpenAI usage with cached_tokens, plus hicache's per-tier split."""
-    per_tier = {t: usage.cached_tokens.get(t, 0) for t in TIER_NAMES}
+    per_tier = {t: usage.cached_tokens.get(t, 0) for t in TIERS}
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,

@@ -11,7 +11,7 @@ from engine_helpers import hf_and_ours, make_batch, run_in_chunks
 
 from hicache.engine import load_model
 from hicache.engine.model import LlamaModel, RMSNorm, apply_rope_, rope_cos_sin, rope_inv_freq
-from hicache.engine.weights import RANDOM_PRESETS
+from hicache.modelinfo import RANDOM_PRESETS
 
 PAGE_SIZE = 4
 NUM_PAGES = 24

@@ -10,7 +10,7 @@ import torch
 from engine_helpers import hf_and_ours, hf_logits, make_batch, run_in_chunks
 
 from hicache.engine import load_model
-from hicache.engine.model import ModelConfig
+from hicache.modelinfo import LlamaConfig
 
 pytest.importorskip("transformers")
 
@@ -109,7 +109,7 @@ def test_random_tiny_and_fingerprint(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_big_presets_have_the_published_shapes() -> None:
-    from hicache.engine.weights import RANDOM_PRESETS
+    from hicache.modelinfo import RANDOM_PRESETS
 
     llama = RANDOM_PRESETS["llama-3.1-8b"]
     assert (llama.num_layers, llama.num_kv_heads, llama.head_dim, llama.vocab_size) == (32, 8, 128, 128256)
@@ -127,7 +127,7 @@ def test_unknown_model_names_the_choices() -> None:
 
 
 def test_from_hf_config_reads_transformers_4_keys() -> None:
-    config = ModelConfig.from_hf_config(
+    config = LlamaConfig.from_hf_config(
         {
             "model_type": "llama",
             "vocab_size": 10,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.engine.sampling import SamplingParams, make_generator, sample
+from hicache.engine.sampling import SamplerParams, make_generator, sample
 
 
 def _logits(batch: int = 4, vocab: int = 50) -> torch.Tensor:
@@ -14,13 +14,13 @@ def _logits(batch: int = 4, vocab: int = 50) -> torch.Tensor:
 
 def test_greedy_is_argmax() -> None:
     logits = _logits()
-    assert torch.equal(sample(logits, [SamplingParams(temperature=0.0)] * 4), logits.argmax(-1))
-    assert torch.equal(sample(logits, [SamplingParams(top_k=1, temperature=2.0)] * 4), logits.argmax(-1))
+    assert torch.equal(sample(logits, [SamplerParams(temperature=0.0)] * 4), logits.argmax(-1))
+    assert torch.equal(sample(logits, [SamplerParams(top_k=1, temperature=2.0)] * 4), logits.argmax(-1))
 
 
 def test_same_seed_same_tokens_whatever_the_batch() -> None:
     logits = _logits()
-    params = SamplingParams(temperature=1.0, seed=7)
+    params = SamplerParams(temperature=1.0, seed=7)
 
     def draw(rows: list[int]) -> list[list[int]]:
         generators = [make_generator(params, torch.device("cpu")) for _ in rows]
@@ -36,7 +36,7 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = _logits(batch=1, vocab=20)
     top3 = set(logits[0].topk(3).indices.tolist())
-    params = SamplingParams(temperature=5.0, top_k=3, seed=1)
+    params = SamplerParams(temperature=5.0, top_k=3, seed=1)
     generator = make_generator(params, torch.device("cpu"))
     draws = {int(sample(logits, [params], [generator])) for _ in range(200)}
     assert draws <= top3 and len(draws) > 1
@@ -44,7 +44,7 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     probs = torch.softmax(logits[0], -1)
     order = probs.argsort(descending=True)
     nucleus_size = int((probs[order].cumsum(0) < 0.6).sum()) + 1
-    params = SamplingParams(temperature=1.0, top_p=0.6, seed=1)
+    params = SamplerParams(temperature=1.0, top_p=0.6, seed=1)
     generator = make_generator(params, torch.device("cpu"))
     draws = {int(sample(logits, [params], [generator])) for _ in range(200)}
     assert draws <= set(order[:nucleus_size].tolist())
@@ -53,9 +53,9 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
 def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
     logits = _logits()
     params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.0),
+        SamplerParams(temperature=0.0),
+        SamplerParams(temperature=1.0),
+        SamplerParams(temperature=0.0),
     ]
     tokens = sample(logits[:3], params)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
@@ -76,4 +76,4 @@ def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
 )
 def test_invalid_params_name_the_parameter(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
-        SamplingParams(**kwargs)
+        SamplerParams(**kwargs)

@@ -12,7 +12,7 @@ from hicache.replay.core import Replayer, ReplayError, ReplaySetup
 from hicache.replay.trace import TraceRecord
 
 TIERS = ("device", "host", "disk")
-WRITE_THROUGH = WritePolicy("write_through", "write_through")
+WRITE_THROUGH = WritePolicy.eager()
 
 
 class ReferenceLRU:
