@@ -1,0 +1,66 @@
+"""The packages depend one way: radix <- controller <- hicache, tiers <- controller. Read from the source, so an
+import hidden in a function body counts too."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROJECT = ("radix", "tiers", "controller", "hicache")
+
+# package -> the project packages (and heavy libraries) it must never import
+FORBIDDEN = {
+    "radix": {"tiers", "controller", "hicache", "torch", "numpy"},
+    "tiers": {"radix", "controller", "hicache"},
+    "controller": {"hicache"},
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Top-level names of every module `path` imports (absolute imports; the project uses no relative ones)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                raise AssertionError(f"{path}: relative import of {node.module!r}")
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_imports_of_reads_nested_imports(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import os.path\nfrom radix import tree\ndef f():\n    import torch\n")
+    assert imports_of(src) == {"os", "radix", "torch"}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_only_downwards(package):
+    bad = []
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no sources under {package}/"
+    for path in files:
+        for name in sorted(imports_of(path) & FORBIDDEN[package]):
+            bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_modelinfo_does_not_import_the_engine():
+    """Sizing tiers from a model's shape must not need the engine (and its kernels) loaded."""
+    path = ROOT / "hicache" / "modelinfo.py"
+    tree = ast.parse(path.read_text())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in modules if m and m.startswith("hicache.engine")}
+
+
+def test_radix_imports_without_torch():
+    code = "import sys, radix; radix.RadixTree(4); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
