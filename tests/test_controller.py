@@ -3,6 +3,7 @@ hypothesis property test against a reference model with byte checks on every tie
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -597,3 +598,98 @@ def test_a_host_prefix_of_several_nodes_gets_its_gpu_pages_in_one_eviction_pass(
     assert h.run(seq(1, 2)[:-1] + [7] * 2 * LAYOUT.page_size + [8]) == {HOST: 4}
     assert passes == [(DEVICE, 4)]  # both nodes' pages at once (per node: two passes of 2)
     h.check_all_bytes()
+
+
+class CountingL3(MemoryL3):
+    """MemoryL3 that counts the pages it was asked to read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.pages_read = 0
+
+    def read_pages(self, keys, out):
+        self.pages_read += len(keys)
+        return super().read_pages(keys, out)
+
+
+def test_load_mode_never_reads_nothing_from_disk():
+    """Neither a request's load nor a queued request's prefetch reads the disk in load mode "never"."""
+    l3 = CountingL3(32, LAYOUT.page_bytes)
+    Harness(l3=l3, device=4, host=8).run(seq(7, 3))
+    never = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "never")
+    h = Harness(l3=l3, device=4, host=8, cost=never)
+    assert not h.ctrl.prefetch_enabled
+    hold = h.ctrl.prefetch(seq(7, 3), max_pages=3)
+    assert hold.started == 0 and hold.pages == 0
+    assert h.run(seq(7, 3)) == {}  # on disk, recomputed
+    assert l3.pages_read == 0 and h.ctrl.stats.prefetched_pages == 0
+    assert h.ctrl.stats.bytes_moved[(DISK, HOST)] == 0
+    assert h.ctrl.stats.recomputed_tokens == 3 * LAYOUT.page_size
+    always = Harness(l3=l3, device=4, host=8, cost=CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "always"))
+    assert always.run(seq(7, 3)) == {DISK: 3} and l3.pages_read == 3  # the same prefix, read when loads pay
+
+
+def test_prefetch_reads_only_what_loading_from_host_would_use():
+    """A host tier too slow to beat recomputing (the cost model's view) makes prefetching pointless: nothing is
+    read; a fast one prefetches the whole prefix."""
+    l3 = CountingL3(32, LAYOUT.page_bytes)
+    Harness(l3=l3, device=4, host=8).run(seq(7, 3))
+    page_s = LAYOUT.page_size / 1000.0  # 1000 tokens/s prefill: one page costs 2 ms to recompute
+    slow_host = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", 1000.0, LAYOUT.page_bytes / (10 * page_s))
+    h = Harness(l3=l3, device=4, host=8, cost=slow_host)
+    assert h.ctrl.prefetch(seq(7, 3), max_pages=3).started == 0 and l3.pages_read == 0
+    fast_host = dataclasses.replace(slow_host, host_to_device_bytes_per_s=LAYOUT.page_bytes / (0.1 * page_s))
+    h = Harness(l3=l3, device=4, host=8, cost=fast_host)
+    assert h.ctrl.prefetch(seq(7, 3), max_pages=3).started == 3 and l3.pages_read == 3
+
+
+def test_a_node_larger_than_the_write_queue_is_written_in_parts():
+    l3 = MemoryL3(64, LAYOUT.page_bytes)
+    h = Harness(device=16, host=16, l3=l3, worker=lambda store: L3Worker(store, queue_pages=4, synchronous=True))
+    h.run(seq(1, 10))  # one 10-page node, write-through to disk: queue_pages 4 takes it as 4 + 4 + 2
+    assert l3.used_pages() == 10 and h.ctrl.tree.pages_in[2] == 10
+    assert not h.ctrl.stats.drops
+    node = h.ctrl.tree.match_prefix(seq(1, 10), touch=False).last_node
+    parts = []
+    while node.parent is not None:
+        parts.append(node.num_pages)
+        node = node.parent
+    assert parts[::-1] == [4, 4, 2]
+    restarted = Harness(device=16, host=16, l3=l3)
+    assert restarted.run(seq(1, 10)) == {DISK: 10}
+    restarted.check_all_bytes()
+
+
+def test_every_dropped_write_is_counted_with_its_reason():
+    # the host tier is full of locked pages: a GPU -> host copy is refused
+    h = Harness(device=8, host=2, disk=0)
+    ticket = h.ctrl.acquire(seq(1, 2))
+    pages = h.ctrl.alloc_device(2)
+    h.ctrl.commit(ticket, seq(1, 2), pages)
+    other = h.ctrl.acquire(seq(1, 2))  # holds seq 1 (host copy included)
+    h.run(seq(2, 2))
+    assert h.ctrl.stats.drops == {"host_full": 2}
+    h.ctrl.release(ticket)
+    h.ctrl.release(other)
+    # a disk tier smaller than the write: refused as disk_full
+    h = Harness(device=8, host=8, l3=MemoryL3(2, LAYOUT.page_bytes))
+    h.ctrl.eviction.disk_capacity = 2
+    h.run(seq(3, 3))
+    assert h.ctrl.stats.drops == {"disk_full": 3}
+    # a write the store fails: l3_write_failed
+    l3 = MemoryL3(16, LAYOUT.page_bytes)
+    l3.fail_writes = True
+    h = Harness(device=8, host=8, l3=l3)
+    h.run(seq(4, 2))
+    assert h.ctrl.stats.drops == {"l3_write_failed": 2}
+    # the queue holds a write in flight: the next is refused whole as l3_queue_full, parts and all
+    gated = GatedL3(32, LAYOUT.page_bytes)
+    h = Harness(device=16, host=16, l3=gated, worker=lambda store: L3Worker(store, threads=1, queue_pages=4))
+    try:
+        h.run(seq(5, 4))  # fills the queue
+        h.run(seq(6, 6))  # 4 + 2 parts: the first is refused, the second with it
+        assert h.ctrl.stats.drops == {"l3_queue_full": 6}
+    finally:
+        gated.gate.set()
+        h.ctrl.close()
+    assert h.ctrl.tree.pages_in[2] == 4
