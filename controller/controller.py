@@ -136,14 +136,9 @@ class TierController:
         return self.lookup.match(tokens)
 
     def acquire(self, tokens: Sequence[int], max_pages: int | None = None, overlap: bool = False) -> LoadTicket:
-        """Match tokens, decide how much of the cached prefix to use, lock it and start its loads.
-
-        At most max_pages pages are used (callers keep at least one token to compute). Pages worth
-        loading that are not on the GPU get GPU pages and copies; pages dearer to load than to
-        recompute are left for the caller to compute. With `overlap` (a caller that handles gaps) and
-        a cost model that allows it, the ticket may have a gap [k, s): those nodes are locked but not
-        loaded; the caller computes them while [s, n) loads (see LoadTicket and commit_gap).
-        """
+        """Match tokens, decide how much of the cached prefix to use (at most max_pages: callers keep a token to
+        compute), lock it and start its loads; with `overlap` the ticket may have a gap the caller computes while
+        the rest loads (see Loads.acquire, LoadTicket and commit_gap). Write policies see the hits."""
         self.poll()
         m = self.match(tokens)
         self.stats.prompt_tokens += len(tokens)
@@ -153,14 +148,9 @@ class TierController:
 
     def prefetch(self, tokens: Sequence[int], max_pages: int | None = None,
                  hold: PrefetchHold | None = None) -> PrefetchHold:
-        """Hold a queued request's cached prefix in host memory until it is admitted.
-
-        Pages only on disk start reading into host memory, so they travel while other requests compute
-        and the request loads them from host when admitted (the GPU is not touched). Those nodes, and
-        nodes an earlier prefetch brought in, are pinned until the caller gives the hold back with
-        `release_prefetch`. Reads held at once cover at most half the host pool. A hold that stopped for
-        lack of room is `short`; passing it back as `hold` (once other holds were released) goes on.
-        """
+        """Start reading a queued request's disk-only prefix into host memory, pinned there until the hold is given
+        back (`release_prefetch`), so at admission it loads from host. A `short` hold (no room) passed back as
+        `hold` goes on where it stopped. See Loads.prefetch."""
         if not self.prefetch_enabled:
             return hold or PrefetchHold()
         return self.loads.prefetch(self.match(tokens), max_pages, hold)
@@ -184,13 +174,10 @@ class TierController:
         self.device.free(pages)
 
     def commit(self, ticket: LoadTicket, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
-        """Insert the full pages of tokens (the ticket's prefix plus new ones) into the tree.
-
-        device_pages covers every full page of tokens; its first ticket.num_pages entries must be the
-        ticket's own pages. Returns the canonical GPU pages for all full pages: where another request
-        committed the same pages first, the tree's copies win and the caller's duplicates are freed.
-        The ticket's lock moves to the new deepest node. Write policies fire for the new pages.
-        """
+        """Insert the full pages of tokens (the ticket's prefix plus new ones; device_pages covers them all, the
+        ticket's own first) and move the ticket's lock to the new deepest node. Returns the canonical GPU pages:
+        where another request committed the same pages first, the tree's win and the caller's are freed. Write
+        policies fire for the new pages."""
         ps = self.page_size
         if ticket.gap is not None:
             raise ValueError(f"commit: the ticket's gap {ticket.gap} is not committed yet (commit_gap)")
@@ -212,13 +199,9 @@ class TierController:
         return ticket.device_pages()
 
     def commit_gap(self, ticket: LoadTicket, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
-        """Adopt the caller's computed pages [k, k + len(device_pages)) of the ticket's gap [k, s).
-
-        tokens covers at least those pages. Where a gap node got GPU pages meanwhile (another request
-        loaded or committed it), the tree's pages win, the caller's are freed, and the ticket may not be
-        `ready` until that load lands. Returns the canonical GPU pages of [k, k + len(device_pages)).
-        The gap shrinks to what is left (None once all of it is committed). Write policies fire.
-        """
+        """Adopt the caller's computed pages [k, k + len(device_pages)) of the ticket's gap [k, s); the gap shrinks
+        to what is left (None once committed). Where a gap node got GPU pages meanwhile, the tree's win (the ticket
+        may then wait for that load). Returns the canonical GPU pages of the part. Write policies fire."""
         if ticket.gap is None:
             raise ValueError("commit_gap: the ticket has no gap")
         k, s = ticket.gap
