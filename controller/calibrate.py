@@ -45,9 +45,13 @@ def host_to_device_bandwidth(copier: Any, device: Any, host: Any, pages: int = 1
         host.free(host_pages)
 
 
-def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages: int = 8) -> float | None:
-    """Bytes/s of reading `pages` pages from L3 into host pages and copying them to the GPU."""
-    pages = min(pages, host.allocator.free_pages, device.allocator.free_pages)
+def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages: int = 32,
+                             max_bytes: int = 256 << 20) -> float | None:
+    """Bytes/s of reading pages from L3 into host pages and copying them to the GPU: at most `pages` pages and
+    `max_bytes`, best of 3 reads (the first also starts the store's I/O threads). One batch, as a request's
+    load reads; the estimate then follows the reads serving makes (Loads._observe_disk_read)."""
+    pages = min(pages, max(1, max_bytes // max(1, host.page_bytes)), host.allocator.free_pages,
+                device.allocator.free_pages)
     if pages < 1 or l3.capacity_pages - l3.used_pages() < pages:
         return None
     host_pages = host.allocate(pages)
@@ -57,12 +61,16 @@ def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages
     try:
         if not all(l3.write_pages(keys, views)):
             return None
-        start = time.perf_counter()
-        ok = l3.read_pages(keys, views)
-        if copier is not None:
-            copier.to_device(host_pages, dev_pages).wait()
-        elapsed = time.perf_counter() - start
-        return pages * host.page_bytes / elapsed if all(ok) else None
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            ok = l3.read_pages(keys, views)
+            if copier is not None:
+                copier.to_device(host_pages, dev_pages).wait()
+            if not all(ok):
+                return None
+            best = min(best, time.perf_counter() - start)
+        return pages * host.page_bytes / best
     finally:
         l3.delete(keys)
         host.free(host_pages)

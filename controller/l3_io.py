@@ -34,6 +34,7 @@ class Completion:
     results: list[bool]  # per page: written / read and verified
     keys: frozenset[bytes] = frozenset()
     seconds: float = 0.0  # time the store call took (reads: for the controller's bandwidth estimate)
+    end: float = 0.0  # time.monotonic() when it finished: concurrent reads overlap, [end - seconds, end] each
 
 
 @dataclass
@@ -184,4 +185,5 @@ class L3Worker:
         except Exception:
             logger.exception("L3 read of %d pages failed", len(keys))
             results = [False] * len(keys)
-        self._finish(Completion("read", token, results, frozenset(keys), time.perf_counter() - start))
+        self._finish(Completion("read", token, results, frozenset(keys), time.perf_counter() - start,
+                                time.monotonic()))

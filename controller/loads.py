@@ -23,6 +23,8 @@ from controller.transfers import FAILED, PREFETCHED, DiskLoad, Transfers
 from controller.writes import page_buffers
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 
+READ_ESTIMATE_HALF_LIFE_S = 5.0  # how fast the disk bandwidth estimate forgets old reads
+
 
 def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
     """The (tier, pages) runs cut down to their first `pages` pages."""
@@ -54,6 +56,8 @@ class Loads:
         self.prefetch_enabled = prefetch and cost.mode != "never"  # the caller says whether there is a disk tier
         self.prefetching = 0  # pages read by prefetch holds not yet released
         self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
+        self._read_busy_until = 0.0  # end of the last read interval seen (see _observe_disk_read)
+        self._read_window: tuple[float, float, float | None] = (0.0, 0.0, None)  # decayed bytes, busy s, last end
 
     # ------------------------------------------------------------------ planning
 
@@ -313,7 +317,7 @@ class Loads:
                 else:
                     self.transfers.clear(part)
             self.stats.moved(DISK, HOST, n, self.page_bytes)
-            self._observe_disk_read(n * self.page_bytes, c.seconds)
+            self._observe_disk_read(n * self.page_bytes, c.seconds, c.end or time.monotonic())
         else:
             self.host.free(load.host_pages)
             self.stats.load_failures += 1
@@ -329,14 +333,28 @@ class Loads:
             parts.insert(0, up)
         return parts
 
-    def _observe_disk_read(self, nbytes: int, seconds: float) -> None:
-        """Fold a measured L3 read into the cost model's disk bandwidth (EWMA), so decisions follow the disk."""
+    def _observe_disk_read(self, nbytes: int, seconds: float, end: float) -> None:
+        """Fold a measured L3 read into the cost model's disk bandwidth, so decisions follow the disk.
+
+        Reads run side by side on the worker's reader threads, so one read's own time overstates what its bytes
+        cost: 4 reads in flight each take about 4x as long. The estimate is bytes over the time the disk had
+        reads in flight (the union of the reads' [end - seconds, end] intervals), both sums decayed with a
+        half-life of READ_ESTIMATE_HALF_LIFE_S; the calibrated figure starts it as one second's worth.
+        """
         if seconds <= 0 or not self.cost.adaptive:
             return
-        measured = nbytes / seconds
-        old = self.cost.disk_to_device_bytes_per_s
-        new = measured if not old else 0.8 * old + 0.2 * measured
-        self.cost = dataclasses.replace(self.cost, disk_to_device_bytes_per_s=new)
+        start = max(end - seconds, self._read_busy_until)
+        busy = max(0.0, end - start)
+        b, t, last = self._read_window
+        if last is None:
+            old = self.cost.disk_to_device_bytes_per_s
+            b, t, last = (old, 1.0, end - seconds) if old else (0.0, 0.0, end)
+        decay = 0.5 ** (max(0.0, end - last) / READ_ESTIMATE_HALF_LIFE_S)
+        b, t = b * decay + nbytes, t * decay + busy
+        self._read_window = (b, t, max(last, end))
+        self._read_busy_until = max(self._read_busy_until, end)
+        if t > 0:
+            self.cost = dataclasses.replace(self.cost, disk_to_device_bytes_per_s=b / t)
 
     def loading_host_pages(self) -> Sequence[int]:
         """Host pages that reads in flight are filling (owned by nobody in the tree yet)."""

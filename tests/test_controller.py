@@ -693,3 +693,33 @@ def test_every_dropped_write_is_counted_with_its_reason():
         gated.gate.set()
         h.ctrl.close()
     assert h.ctrl.tree.pages_in[2] == 4
+
+
+def test_disk_bandwidth_estimate_counts_concurrent_reads_once():
+    """Reads in flight side by side share the disk's time: the estimate is bytes over the busy time, not the mean
+    of each read's bytes over its own time (which would understate a disk serving 2 reads at once by half)."""
+    cost = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", 1000.0, 1e9)
+    side_by_side, one_by_one = Harness(cost=cost), Harness(cost=cost)
+    mb = 1_000_000
+    for i in range(60):  # two 8 MB reads over the same second, then the next second
+        side_by_side.ctrl.loads._observe_disk_read(8 * mb, 1.0, float(i + 1))
+        side_by_side.ctrl.loads._observe_disk_read(8 * mb, 1.0, float(i + 1))
+        one_by_one.ctrl.loads._observe_disk_read(8 * mb, 1.0, float(i + 1))  # one read a second
+    assert side_by_side.ctrl.cost.disk_to_device_bytes_per_s == pytest.approx(16 * mb, rel=0.1)
+    assert one_by_one.ctrl.cost.disk_to_device_bytes_per_s == pytest.approx(8 * mb, rel=0.01)
+    fixed = Harness(cost=dataclasses.replace(cost, disk_to_device_bytes_per_s=5e6, adaptive=False))
+    fixed.ctrl.loads._observe_disk_read(8 * mb, 1.0, 1.0)
+    assert fixed.ctrl.cost.disk_to_device_bytes_per_s == 5e6  # configured, not measured: left alone
+
+
+def test_disk_calibration_reads_real_pages_and_leaves_nothing_behind():
+    from controller import calibrate
+
+    l3 = CountingL3(64, LAYOUT.page_bytes)
+    h = Harness(device=16, host=16, l3=l3)
+    bw = calibrate.disk_to_device_bandwidth(l3, h.copier, h.dev, h.host, pages=8)
+    assert bw is not None and bw > 0
+    assert l3.pages_read == 3 * 8 and l3.used_pages() == 0  # best of three reads of 8 pages, scratch keys deleted
+    assert h.dev.used_pages() == 0 and h.host.used_pages() == 0
+    small = calibrate.disk_to_device_bandwidth(l3, h.copier, h.dev, h.host, pages=8, max_bytes=2 * LAYOUT.page_bytes)
+    assert small is not None and l3.pages_read == 3 * 8 + 3 * 2  # capped by bytes
