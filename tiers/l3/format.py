@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import struct
 from dataclasses import dataclass
 
@@ -54,8 +55,9 @@ NATIVE_CHECKSUM_MIN_BYTES = 64 << 10  # below this, the Python binding's lower c
 def _native_xxh3():
     """XXH3_64bits of the system's libxxhash through ctypes, or None where there is none. ctypes releases the
     interpreter lock for the call, so hashing a page (0.1-0.2 ms for 8 MiB) does not stop the engine thread;
-    the `xxhash` binding holds the lock while it hashes. Both compute the same xxh3_64 (seed 0)."""
-    name = ctypes.util.find_library("xxhash")
+    the `xxhash` binding holds the lock while it hashes. Both compute the same xxh3_64 (seed 0).
+    $HICACHE_LIBXXHASH names the library where the system's loader does not find one."""
+    name = os.environ.get("HICACHE_LIBXXHASH") or ctypes.util.find_library("xxhash")
     if name is None:
         return None
     try:
