@@ -14,7 +14,7 @@ import json
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -54,6 +54,14 @@ class MultiTurnOptions:
     timeout_s: float = 600.0
 
 
+class ClientOptions(Protocol):
+    """What `Client` reads of a benchmark's options."""
+
+    model: str | None
+    temperature: float
+    extensions: bool
+
+
 class BenchError(RuntimeError):
     """The benchmark could not run (server unreachable, no model, probe failed)."""
 
@@ -83,25 +91,45 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-class Client:
-    """Talks to the server: discovery, probes, one streamed turn."""
+def metric_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """The change of each /metrics value over a run; None when the server has none."""
+    if before is None or not after:
+        return None
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
-    def __init__(self, opts: MultiTurnOptions, http: httpx.AsyncClient):
+
+def open_http(url: str, api_key: str | None, parallel: int, timeout_s: float) -> httpx.AsyncClient:
+    """The HTTP client of a run: `parallel` requests in flight (plus /metrics), bearer token if given."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=parallel + 2, max_keepalive_connections=parallel + 2)
+    return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, limits=limits,
+                             timeout=httpx.Timeout(timeout_s, connect=10.0))
+
+
+class Client:
+    """Talks to the server: discovery, probes, one streamed request."""
+
+    def __init__(self, opts: ClientOptions, http: httpx.AsyncClient):
         self.opts = opts
         self.http = http
         self.model = opts.model
+        self.max_model_len: int | None = None  # the context limit /v1/models gives (vLLM, hicache), if any
 
     async def discover_model(self) -> str:
+        """The model of /v1/models named --model, else the first; its max_model_len, if listed, is kept."""
         r = await self.http.get("/v1/models")
         if r.status_code != 200:
             raise BenchError(f"GET /v1/models: HTTP {r.status_code}: {r.text[:200]}")
         data = r.json().get("data") or []
         if not data:
             raise BenchError("GET /v1/models lists no model; pass --model")
-        return data[0]["id"]
+        card = next((m for m in data if m.get("id") == self.model), data[0])
+        limit = card.get("max_model_len")
+        self.max_model_len = limit if isinstance(limit, int) and limit > 0 else None
+        return card["id"]
 
-    def body(self, history: list[dict[str, str]], max_tokens: int, stream: bool) -> tuple[str, dict[str, Any]]:
-        """The endpoint and JSON body for a conversation (alternating user / assistant messages)."""
+    def sampling(self, max_tokens: int, stream: bool) -> dict[str, Any]:
+        """The body fields of every request: model, exactly `max_tokens` answer tokens, streaming with usage."""
         o = self.opts
         body: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": o.temperature,
                                 "stream": stream}
@@ -109,6 +137,12 @@ class Client:
             body["stream_options"] = {"include_usage": True}
         if o.extensions:
             body.update(ignore_eos=True, min_tokens=max_tokens)
+        return body
+
+    def body(self, history: list[dict[str, str]], max_tokens: int, stream: bool) -> tuple[str, dict[str, Any]]:
+        """The endpoint and JSON body for a conversation (alternating user / assistant messages)."""
+        o = self.opts
+        body = self.sampling(max_tokens, stream)
         if o.api == "chat":
             return "/v1/chat/completions", {**body, "messages": history}
         # each message ends with a newline, and an answer follows its prompt directly, as it was generated
@@ -137,11 +171,20 @@ class Client:
         return parse_metrics(r.text) if r.status_code == 200 else None
 
     async def turn(self, result: TurnResult, history: list[dict[str, str]], t0: float) -> str:
-        """Send one streamed request; fill `result`; return the answer text."""
+        """Send one streamed turn of a conversation; fill `result`; return the answer text."""
         path, body = self.body(history, self.opts.output_length, stream=True)
+        return await self.stream(result, path, body, t0)
+
+    async def stream(self, result: TurnResult, path: str, body: dict[str, Any] | bytes, t0: float) -> str:
+        """POST one streamed request; fill `result` (TTFT, end, usage); return the answer text.
+
+        body: the JSON body, or its encoding (large prompts: encoded before `result.start`, outside the TTFT).
+        """
         answer: list[str] = []
         usage: dict[str, Any] | None = None
-        async with self.http.stream("POST", path, json=body) as r:
+        send = ({"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes)
+                else {"json": body})
+        async with self.http.stream("POST", path, **send) as r:
             if r.status_code != 200:
                 raise BenchError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}")
             async for line in r.aiter_lines():
@@ -197,13 +240,9 @@ async def run_multiturn(opts: MultiTurnOptions) -> BenchReport:
     """Run the benchmark; BenchError if it cannot start (per-request failures are counted, not raised)."""
     if min(opts.clients, opts.rounds, opts.request_length, opts.output_length) < 1:
         raise BenchError("--clients, --rounds, --request-length and --output-length must be >= 1")
-    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     parallel = opts.max_parallel or opts.clients
-    limits = httpx.Limits(max_connections=parallel + 2, max_keepalive_connections=parallel + 2)
-    timeout = httpx.Timeout(opts.timeout_s, connect=10.0)
     rng = random.Random(opts.seed)
-    async with httpx.AsyncClient(base_url=opts.url.rstrip("/"), headers=headers, limits=limits,
-                                 timeout=timeout) as http:
+    async with open_http(opts.url, opts.api_key, parallel, opts.timeout_s) as http:
         client = Client(opts, http)
         try:
             client.model = opts.model or await client.discover_model()
@@ -249,9 +288,7 @@ async def run_multiturn(opts: MultiTurnOptions) -> BenchReport:
             await asyncio.gather(*(conversation(c) for c in range(opts.clients)))
         duration = time.perf_counter() - t0
         after = await client.metrics()
-    deltas = None
-    if before is not None and after is not None and after:
-        deltas = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    deltas = metric_deltas(before, after)
     settings = {**{k: v for k, v in vars(opts).items() if k != "api_key"}, "model": client.model,
                 "chars_per_token": cpt, "question_chars": question_chars}
     if settings["request_rate"] == float("inf"):

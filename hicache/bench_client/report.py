@@ -79,6 +79,7 @@ class BenchReport:
     overall: dict[str, Any] = field(default_factory=dict)
     server_metrics: dict[str, float] | None = None  # counter deltas from /metrics, when the server has them
     errors: list[str] = field(default_factory=list)
+    turns: list[TurnResult] = field(default_factory=list, repr=False)  # every request (not in the JSON)
 
     def to_json(self) -> dict[str, Any]:
         return {"settings": self.settings, "rounds": self.rounds, "overall": self.overall,
@@ -87,7 +88,7 @@ class BenchReport:
 
 def build_report(settings: dict[str, Any], turns: Sequence[TurnResult], duration: float,
                  server_metrics: dict[str, float] | None) -> BenchReport:
-    report = BenchReport(settings, server_metrics=server_metrics)
+    report = BenchReport(settings, server_metrics=server_metrics, turns=list(turns))
     for r in sorted({t.round for t in turns}):
         report.rounds.append({"round": r, **summarize([t for t in turns if t.round == r])})
     report.overall = summarize(turns, duration)
@@ -99,9 +100,9 @@ def _fmt(value: float, digits: int = 1) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
 
 
-def format_table(report: BenchReport) -> str:
-    """The per-round and overall figures as a fixed-width text table."""
-    header = ["round", "reqs", "err", "ttft mean", "p50", "p90", "p99", "in tok/s", "out tok/s", "hit %",
+def format_table(report: BenchReport, label: str = "round") -> str:
+    """The per-round (or per-`label`) and overall figures as a fixed-width text table."""
+    header = [label, "reqs", "err", "ttft mean", "p50", "p90", "p99", "in tok/s", "out tok/s", "hit %",
               "device %", "host %", "disk %"]
     rows = []
     for name, s in [*((str(r["round"]), r) for r in report.rounds), ("all", report.overall)]:
