@@ -29,10 +29,17 @@
 #              adds always-load)
 #   inprocess  bench/gpu/tier_overhead.py, no server: the no-reuse cost of write-through (fresh and full GPU pool,
 #              kernel tables) and a multi-turn run's GPU timeline (rounds 2, 3 and 6). PARTS [noreuse multiturn]
+#   agent      coding-agent sessions through the server (`hicache bench agent`): a synthesized workload (`bench
+#              agent-gen`: 12 sessions x 10 turns, first prompts 15k-48k tokens, seed 1; ~62 GiB of KV in all), every
+#              session at once, 16-token answers, GPU KV 8 GiB; a warm-up server on the first 2 sessions (WARMUP [1]),
+#              then ARMS [gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never] (host48 / host12:
+#              48 / 12 GiB host, no L3; _l3disk / _l3shm: 12 GiB host + 30 GiB L3 in /tmp or /dev/shm; _never: L3 on
+#              disk with --load-mode never), each with a step log and its server's /metrics. AGENT_LIMIT [540] s per
+#              arm; the whole list does not fit one device command: pass a few ARMS at a time. EXTRA as above
 set -u
 workload=${1:-}
 case $workload in
-  cudatests | micro | kernels | ttft | noloss | l3prefix | inprocess) ;;
+  cudatests | micro | kernels | ttft | noloss | l3prefix | inprocess | agent) ;;
   *) sed -n '2,/^set -u/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 base=${OUT:-./out}
@@ -247,6 +254,38 @@ inprocess() {
     2>&1 | grep -v -e USDT -e Warning | tee "$OUT/no_reuse.log" | grep -E '^(2k|32k|profiled|results)'
   part multiturn && timeout 250 python3 bench/gpu/tier_overhead.py multiturn --out "$OUT" --rounds 7 \
     --profile-round 2,3,6 2>&1 | grep -v -e USDT -e Warning | tee "$OUT/multiturn.log" | grep -E 'round|results'
+}
+
+agent() {
+  local port=8400 i=0 name flags l3 limit=${AGENT_LIMIT:-540}
+  local work=$OUT/workload dev="--device-tokens 65536"  # 8 GiB at 128 KiB a token, as ttft
+  local host12="$dev --host-tokens 98304" l3size="--disk-tokens 245760"  # 12 GiB host; 30 GiB L3, as ttft's host_l3
+  timeout 60 python3 -m hicache.cli bench agent-gen --sessions 12 --turns 10:10 --context 15000:48000 --seed 1 \
+    --out "$work" 2>&1 | tee "$OUT/workload.txt"
+  local client="python3 -m hicache.cli bench agent $work --url \$URL --output-length 16"
+  [ "${WARMUP:-1}" = 1 ] && serve warmup_agent_gpu_only $port 240 "==|sessions" "$dev --host-tokens 0 --no-l3 $EXTRA" \
+    "$client --sessions 2 --json \$OUT/warmup_agent_gpu_only.json"
+  for arm in ${ARMS:-gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never}; do
+    i=$((i + 1))
+    l3=
+    case $arm in
+      gpu_only) flags="$dev --host-tokens 0 --no-l3" ;;
+      host48) flags="$dev --host-tokens 393216 --no-l3" ;;
+      host12) flags="$host12 --no-l3" ;;
+      host12_l3disk) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3" ;;
+      host12_l3shm) l3=/dev/shm/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3" ;;
+      host12_l3disk_never) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3 --load-mode never" ;;
+      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never)"
+         continue ;;
+    esac
+    [ -n "$l3" ] && rm -rf "$l3"
+    name=agent_${arm}_$i
+    serve "$name" $((port + i)) "$limit" "==|metrics|sessions" "$flags $EXTRA --step-log $OUT/$name.steps.jsonl" \
+      "$client --json \$OUT/$name.json"
+    [ -n "$l3" ] && rm -rf "$l3"
+  done
+  python3 bench/step_log_summary.py "$OUT"/agent_*.steps.jsonl 2>&1 | tee "$OUT/steps_summary.txt"
+  summary "agent_*.json" gpu_only
 }
 
 "$workload"
