@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> dict:
     pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8))
     readback = aligned_pool(args.pages, args.page_bytes)
     result: dict = {"dir": args.dir, "page_bytes": args.page_bytes, "pages": args.pages, "batch": args.batch,
-                    "step_units": units, "pinned": bool(args.pin and len(cpus) > 1)}
+                    "step_units": units, "pinned": bool(args.pin and len(cpus) > 1),
+                    "switch_interval_ms": sys.getswitchinterval() * 1e3}
     store = L3Store(path, 2 * args.pages * slot_bytes_for(args.page_bytes), args.page_bytes, NAMESPACE,
                     io_threads=args.threads, sync_batch_pages=args.batch)
     box: dict = {}
@@ -193,14 +194,19 @@ def main(argv: list[str] | None = None) -> dict:
                         "where what is left of the tax is the interpreter lock's")
     p.add_argument("--python-checksum", action="store_true",
                    help="checksum with the xxhash binding (holds the interpreter lock) instead of libxxhash")
+    p.add_argument("--switch-interval-ms", type=float,
+                   help="sys.setswitchinterval for the run (Python's default: 5 ms): how long a thread that wants "
+                        "the interpreter lock waits before the holder is asked to let go")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if args.python_checksum:
         import tiers.l3.format
 
         tiers.l3.format._XXH3_64 = None
     result = run(args)
-    pinned = ", engine thread pinned" if result["pinned"] else ""
+    pinned = (", engine thread pinned" if result["pinned"] else "") + f", switch {result['switch_interval_ms']:g} ms"
     print(f"{args.pages} x {args.page_bytes} B pages in {args.dir}, batches of {args.batch}, "
           f"{args.step_ms:.0f} ms Python steps ({os.cpu_count()} CPUs{pinned})")
     print(f"  engine steps: {result['step_ms_alone']['mean']:.2f} ms alone, "

@@ -252,3 +252,24 @@ def kvikio_usable() -> tuple[bool, str]:
     except Exception as e:  # ImportError, or OSError when libcuda/libcufile is missing
         return False, f"kvikio import failed: {e}"
     return True, ""
+
+
+def kvikio_compat_mode() -> bool:
+    """Whether kvikio would run in its compatibility mode (POSIX I/O through its own bounce buffers, no
+    GPUDirect Storage driver). True where that cannot be told. There it brings nothing over the POSIX path for
+    host pages and was slower: on tmpfs on the H200 machine it read at 0.17 of a raw read, the POSIX path at
+    memory speed (bench/RESULTS.md, 'L3 store vs raw O_DIRECT')."""
+    try:
+        import kvikio.defaults
+    except Exception:  # noqa: BLE001 - no kvikio, or its libraries fail to load
+        return True
+    for name in ("is_compat_mode_preferred", "compat_mode"):
+        fn = getattr(kvikio.defaults, name, None)
+        if fn is None:
+            continue
+        try:
+            mode = fn()
+        except Exception:  # noqa: BLE001 - an API of another version
+            continue
+        return bool(mode) if isinstance(mode, bool) else "OFF" not in str(mode).upper()
+    return True

@@ -29,7 +29,7 @@ from tiers.l3.format import (
     slot_bytes_for,
 )
 from tiers.l3.index import index_map_bytes, move_aside, open_index
-from tiers.l3.io import KvikioSlotIO, PosixSlotIO, kvikio_usable
+from tiers.l3.io import KvikioSlotIO, PosixSlotIO, kvikio_compat_mode, kvikio_usable
 from tiers.l3.lockfile import WriterLock, prepare_directory
 from tiers.l3.slab import SlabFile, create_slab, read_header, slab_path
 
@@ -164,11 +164,15 @@ class L3Store:
         return header, ""
 
     def _pick_kvikio(self, io_backend: str) -> bool:
+        """kvikio when asked for; with "auto" only where GPUDirect Storage is active (not kvikio's compat mode)."""
         if io_backend not in ("auto", "kvikio"):
             return False
         usable, why = kvikio_usable()
         if io_backend == "kvikio" and not usable:
             raise L3Error(errno.ENOTSUP, f"{self.path}: io_backend='kvikio' requested but {why}")
+        if io_backend == "auto" and usable and kvikio_compat_mode():
+            log.info("%s: kvikio runs in compatibility mode here (no GPUDirect Storage): using POSIX I/O", self.path)
+            return False
         return usable
 
     def _load(self, slot_count: int) -> None:
