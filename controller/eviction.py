@@ -81,7 +81,7 @@ class Eviction:
             self.transfers.clear(node)  # a finished promotion into the pages being freed
         pages, orphans = self.tree.clear_location(node, tier)
         if tier == DISK:
-            self.l3.delete(pages)
+            self.l3.delete(pages, wait=False)
         elif tier == DEVICE:
             self.free_device_pages(pages)
         else:
@@ -131,7 +131,7 @@ class Eviction:
                 self.host.free(node.host_pages)
                 self.stats.evictions[HOST] += node.num_pages
             if node.on_disk:
-                self.l3.delete(node.disk_keys)
+                self.l3.delete(node.disk_keys, wait=False)
                 self.stats.evictions[DISK] += node.num_pages
             node.drop_locations()
             self.transfers.forget(node)

@@ -51,7 +51,9 @@ class L3(Protocol):
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
 
-    def delete(self, keys: Sequence[bytes]) -> Any: ...
+    def delete(self, keys: Sequence[bytes], wait: bool = True) -> Any:
+        """Forget keys; `wait=False`: the store may make that durable later (the engine thread must not wait for
+        the disk), but the keys are not found from now on."""
 
 
 class NoPool:
@@ -85,7 +87,7 @@ class NoL3:
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         if len(keys):
             raise RuntimeError(f"delete of {len(keys)} keys in an absent disk tier")
         return 0

@@ -41,7 +41,7 @@ class MemoryL3:
             res.append(True)
         return res
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         return sum(self.data.pop(k, None) is not None for k in keys)
 
     def used_pages(self) -> int:

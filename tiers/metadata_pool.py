@@ -52,7 +52,7 @@ class MetadataL3:
     def read_pages(self, keys: Sequence[bytes], out: Sequence[Any]) -> list[bool]:
         return [k in self._keys for k in keys]
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         n = 0
         for k in keys:
             if self._keys.pop(k, 0) is None:

@@ -55,7 +55,7 @@ class ReplayL3(MetadataL3):
         self._unread.difference_update(keys)
         return results
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         n = super().delete(keys)
         for key in keys:
             self._forget(key)

@@ -181,3 +181,29 @@ def test_concurrent_callers_never_see_wrong_bytes(open_store):
     stats = store.stats()
     assert stats["checksum_failures"] == 0 and stats["pages"] <= 24
     store.check_integrity()
+
+
+def test_a_delete_that_does_not_wait_is_gone_at_once_and_durable_by_the_next_write(open_store, tmp_path):
+    """delete(wait=False) (the engine thread's evictions): the pages are neither found nor read from then on; the
+    index drop commits before the next write, and until then a crash only brings the pages back intact."""
+    store = open_store(pages=4)
+    keys = [key(i) for i in range(4)]
+    assert all(store.write_pages(keys, [content(k, 8192) for k in keys]))
+    commits = store.stats()["index_commits"]
+    assert store.delete(keys[:2], wait=False) == 2
+    assert store.stats()["index_commits"] == commits  # nothing written to the index on the caller's thread
+    assert store.contains(keys) == [False, False, True, True]
+    assert store.read_pages(keys[:1], empty(8192)) == [False]
+    store._release()  # a crash: no flush, no commit
+    reopened = open_store(pages=4)
+    assert reopened.contains(keys) == [True] * 4  # the drop never committed: the pages came back, intact
+    out = empty(8192, 4)
+    assert reopened.read_pages(keys, out) == [True] * 4 and all(torch.equal(o, content(k, 8192)) for o, k in
+                                                               zip(out, keys))
+    assert reopened.delete(keys[:2], wait=False) == 2
+    fresh = [key(i) for i in range(10, 12)]  # the store is full but for the two dropped slots: they are reused
+    assert all(reopened.write_pages(fresh, [content(k, 8192) for k in fresh]))
+    assert reopened.stats()["evictions"] == 0
+    reopened.close()
+    again = open_store(pages=4)
+    assert again.contains(keys + fresh) == [False, False, True, True, True, True]

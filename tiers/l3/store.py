@@ -82,6 +82,7 @@ class L3Store:
         self._deferred_free: set[int] = set()  # released while pinned; freed on the last unpin
         self._in_flight: dict[bytes, int] = {}  # key -> slot being written
         self._limbo: set[int] = set()  # removed from memory, index delete not yet committed
+        self._pending_drops: list[tuple[bytes, int]] = []  # delete(wait=False): (key, slot) awaiting their commit
         self._quarantined: set[int] = set()  # index state unknown after an error; unused until reopen
         self._dirty_access: set[bytes] = set()
         self._last_stamp = 0  # access times are strictly increasing, so LRU order survives a reopen
@@ -257,6 +258,7 @@ class L3Store:
         """
         self._check_writable()
         self._check_batch(keys, pages)
+        self._commit_pending_drops()  # their slots are free for this batch
         results = [False] * len(keys)
         todo = self._plan_writes(keys, results)
         if todo:
@@ -351,8 +353,11 @@ class L3Store:
             self.flush()
         return results
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Remove pages from the index (durably); returns how many were present."""
+    def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
+        """Remove pages from the index; returns how many were present. They are gone at once (not found, not
+        read); with `wait` the index drop is durable on return, else it commits before the next write (on the
+        writer's thread), at `flush` or at `close`: an engine thread that evicts disk pages never waits for the
+        disk. Until then their slots are not reused, so a crash in between brings the pages back intact."""
         self._check_writable()
         with self._lock:
             gone = []
@@ -362,14 +367,24 @@ class L3Store:
                     self._limbo.add(entry.slot)
                     gone.append((key, entry.slot))
             self._counters["deletes"] += len(gone)
-        if gone:
+            if not wait:
+                self._pending_drops.extend(gone)
+        if gone and wait:
             self._commit_drop(gone, release=True)
         return len(gone)
+
+    def _commit_pending_drops(self) -> None:
+        """Durably drop the index entries `delete(wait=False)` removed, and free their slots."""
+        with self._lock:
+            gone, self._pending_drops = self._pending_drops, []
+        if gone:
+            self._commit_drop(gone, release=True)
 
     def flush(self) -> None:
         """Write pending access times (LRU recency) to the index."""
         if self.read_only or self._index is None:
             return
+        self._commit_pending_drops()
         with self._lock:
             touches = self._take_touches()
         if touches:
