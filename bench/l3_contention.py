@@ -173,6 +173,67 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def _l3_process(args: argparse.Namespace, cpus: set[int], ready, done) -> None:
+    """The L3 traffic of `run`, alone in a process of its own (spawned): what an L3 process would cost the engine."""
+    os.sched_setaffinity(0, cpus)
+    path = tempfile.mkdtemp(prefix="l3-contention-", dir=args.dir)
+    pool = aligned_pool(args.pages, args.page_bytes)
+    pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8))
+    readback = aligned_pool(args.pages, args.page_bytes)
+    try:
+        with L3Store(path, 2 * args.pages * slot_bytes_for(args.page_bytes), args.page_bytes, NAMESPACE,
+                     io_threads=args.threads, sync_batch_pages=args.batch) as store:
+            worker = L3Worker(store, threads=args.threads, queue_pages=args.pages, batch_pages=args.batch)
+            traffic = Traffic(worker, store, pool, readback, args.batch)
+            ready.put(True)
+            start = time.perf_counter()
+            while time.perf_counter() - start < args.seconds:
+                traffic.pump()
+                time.sleep(0.0005)
+            done.put(((traffic.bytes_written + traffic.bytes_read) / (time.perf_counter() - start), traffic.bad,
+                      traffic.checked))
+            worker.close()
+    finally:
+        shutil.rmtree(path)
+
+
+def run_process(args: argparse.Namespace) -> dict:
+    """The steps alone, then beside the L3 traffic running in a separate process."""
+    import multiprocessing
+
+    cpus = sorted(os.sched_getaffinity(0))
+    engine_cpus, l3_cpus = ({cpus[0]}, set(cpus[1:])) if args.pin and len(cpus) > 1 else (set(cpus), set(cpus))
+    os.sched_setaffinity(0, engine_cpus)
+    units = calibrate(args.step_ms)
+    for _ in range(args.warmup):
+        _step(units)
+    deadline = time.perf_counter() + args.seconds
+    steps_alone = []
+    while time.perf_counter() < deadline:
+        steps_alone.append(_step(units))
+    ctx = multiprocessing.get_context("spawn")
+    ready, done = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_l3_process, args=(args, l3_cpus, ready, done))
+    child.start()
+    ready.get(timeout=120)
+    steps_busy = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.seconds * 0.9:  # inside the child's traffic window
+        steps_busy.append(_step(units))
+    l3_bps, bad, checked = done.get(timeout=120)
+    child.join()
+    p90 = lambda xs: statistics.quantiles(xs, n=10)[-1]  # noqa: E731
+    return {"dir": args.dir, "page_bytes": args.page_bytes, "pages": args.pages, "batch": args.batch,
+            "step_units": units, "pinned": bool(args.pin and len(cpus) > 1), "l3_process": True,
+            "switch_interval_ms": sys.getswitchinterval() * 1e3,
+            "step_ms_alone": {"mean": statistics.mean(steps_alone) * 1e3, "p90": p90(steps_alone) * 1e3},
+            "step_ms_with_l3": {"mean": statistics.mean(steps_busy) * 1e3, "p90": p90(steps_busy) * 1e3},
+            "step_tax_mean": statistics.mean(steps_busy) / statistics.mean(steps_alone),
+            "step_tax_p90": p90(steps_busy) / p90(steps_alone),
+            "l3_gbps_alone": float("nan"), "l3_gbps_with_steps": l3_bps / GB, "l3_speed_under_load": float("nan"),
+            "bad_batches": bad, "checked_batches": checked}
+
+
 def _step(units: int) -> float:
     start = time.perf_counter()
     python_work(units)
@@ -194,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "where what is left of the tax is the interpreter lock's")
     p.add_argument("--python-checksum", action="store_true",
                    help="checksum with the xxhash binding (holds the interpreter lock) instead of libxxhash")
+    p.add_argument("--l3-process", action="store_true",
+                   help="run the L3 traffic in a process of its own instead of threads beside the engine thread")
     p.add_argument("--switch-interval-ms", type=float,
                    help="sys.setswitchinterval for the run (Python's default: 5 ms): how long a thread that wants "
                         "the interpreter lock waits before the holder is asked to let go")
@@ -205,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         import tiers.l3.format
 
         tiers.l3.format._XXH3_64 = None
-    result = run(args)
+    result = run_process(args) if args.l3_process else run(args)
     pinned = (", engine thread pinned" if result["pinned"] else "") + f", switch {result['switch_interval_ms']:g} ms"
     print(f"{args.pages} x {args.page_bytes} B pages in {args.dir}, batches of {args.batch}, "
           f"{args.step_ms:.0f} ms Python steps ({os.cpu_count()} CPUs{pinned})")
