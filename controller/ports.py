@@ -11,25 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from tiers.base import PageAllocator
+from tiers.base import PageAllocator, PagePool
 from tiers.copy import COMPLETED, TransferHandle
 
-
-class Pool(Protocol):
-    """A tier addressed by page id (GPU or host): `tiers.base.PagePool` less the byte access."""
-
-    page_bytes: int
-    capacity_pages: int
-    allocator: PageAllocator
-
-    def allocate(self, n: int) -> list[int] | None: ...
-
-    def free(self, pages: Sequence[int]) -> None: ...
-
-    def used_pages(self) -> int: ...
+# A tier addressed by page id (GPU or host) is `tiers.base.PagePool`: capacity, allocator, allocate, free, used_pages,
+# and byte access, which the controller leaves to the copier and the L3 store.
+Pool = PagePool
 
 
-class HostPool(Pool, Protocol):
+class HostPool(PagePool, Protocol):
     """The host pool, whose pages the L3 store reads and writes in place."""
 
     def page_view(self, page: int) -> Any: ...
@@ -57,7 +47,7 @@ class L3(Protocol):
 
 
 class NoPool:
-    """An absent host tier: zero pages, nothing to allocate or free."""
+    """An absent host tier: zero pages, nothing to allocate, free, read or write."""
 
     page_bytes = 0
     capacity_pages = 0
@@ -74,6 +64,15 @@ class NoPool:
 
     def used_pages(self) -> int:
         return 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"capacity_pages": 0, "used_pages": 0}
+
+    def read_pages(self, pages: Sequence[int]) -> Any:
+        raise RuntimeError("an absent host tier has no pages")
+
+    def write_pages(self, pages: Sequence[int], data: Any) -> None:
+        raise RuntimeError("an absent host tier has no pages")
 
     def page_view(self, page: int) -> Any:
         raise RuntimeError("an absent host tier has no pages")
