@@ -1,7 +1,13 @@
-"""The real SmolLM2 through the engine: greedy output must not depend on where the prefix came from.
+"""Greedy output must not depend on where the prefix came from: device, host, disk or recomputed.
 
-Tier sizes are tiny so that other prompts push prompt A out of the GPU (and host); `cached_tokens` per
-tier says which tier served A the second time. float32 on CPU keeps the tokens stable.
+The tier logic runs on random:tiny (2 layers, seeded random weights, a byte tokenizer: one token per byte), float32
+on CPU; one end-to-end test runs the real SmolLM2 (30 layers) through the same path. Tier sizes are tiny so that
+other prompts push prompt A out of the GPU (and host); `cached_tokens` per tier says which tier served A the
+second time.
+
+Random weights make two demands the real model did not: A's greedy tokens must win by a margin far above float32
+rounding (the cached and recomputed paths round differently; the `baseline` fixture checks the margin), and a wrong
+prefix page must change them, or comparing them would prove nothing (test_a_wrong_prefix_page_changes_the_output).
 """
 
 from __future__ import annotations
@@ -9,16 +15,18 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from sched_helpers import make_engine, run_all, settle_l3
 
+from hicache.engine.model import ForwardBatch
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Status
 from tiers import LaunchLater
 
 PAGE = 8
-A = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
-     "movable metal type, oil-based ink and a wooden screw press. Within fifty years printers worked in")
-OTHERS = [
+REAL_A = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+          "movable metal type, oil-based ink and a wooden screw press. Within fifty years printers worked in")
+REAL_OTHERS = [
     "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to make "
     "glucose and oxygen. It happens mostly in the leaves, inside small structures called chloroplasts that",
     "A binary search tree keeps its keys in order: every key in the left subtree of a node is smaller than "
@@ -30,7 +38,13 @@ OTHERS = [
     "The Pacific Ocean is the largest and deepest of the world's oceans, covering about a third of the "
     "surface of the Earth. Its deepest point, the Challenger Deep in the Mariana Trench, lies nearly eleven",
 ]
+# random:tiny: the same texts cut to SmolLM2's token counts of them (36; 36, 44, 47, 41, 43), so the page counts the
+# tests rely on stay as they were; A is 42 bytes (5 pages + 2), where its greedy tokens win by > 3e-3
+A = REAL_A[:42]
+OTHERS = [text[:n] for text, n in zip(REAL_OTHERS, (36, 44, 47, 41, 43))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# float32 rounding moves tiny's logits (|logit| < 1) by ~1e-6 between the cached and recomputed paths
+MIN_GREEDY_MARGIN = 1e-4
 
 
 def generate(engine, prompts: list[str], params: SamplingParams = GREEDY) -> list:
@@ -42,25 +56,48 @@ def generate(engine, prompts: list[str], params: SamplingParams = GREEDY) -> lis
     return [results[request_id] for request_id in ids]
 
 
-@pytest.fixture(scope="module")
-def baseline(smollm):
-    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=4096)
-    ids, _, out = generate(engine, [A])[0]
-    assert len(engine.tokenizer.encode(A)) >= 4 * PAGE + 1
+def greedy_margins(model, tokens: list[int], steps: int) -> list[float]:
+    """Top-1 minus top-2 logit at each of `steps` greedy steps, each a whole forward with nothing cached."""
+    tokens, margins = list(tokens), []
+    with torch.no_grad():
+        for _ in range(steps):
+            n = len(tokens)
+            pages = -(-n // PAGE)
+            positions = torch.arange(n)
+            batch = ForwardBatch(torch.tensor(tokens), positions, positions, [n], [n], [torch.arange(pages)])
+            top = model(batch, torch.zeros(model.kv_pool_shape(pages, PAGE)), PAGE)[-1].topk(2)
+            margins.append(float(top.values[0] - top.values[1]))
+            tokens.append(int(top.indices[0]))
+    return margins
+
+
+def no_cache_baseline(model_pair, prompt: str):
+    engine = make_engine(model_pair, cache__page_size=PAGE, cache__device__size_tokens=4096)
+    ids, _, out = generate(engine, [prompt])[0]
+    assert len(engine.tokenizer.encode(prompt)) >= 4 * PAGE + 1
     assert out.usage.total_cached_tokens == 0
     return ids, engine
 
 
-def served(smollm, baseline, expect_tier: str, **tiers) -> None:
-    engine = make_engine(smollm, cache__page_size=PAGE, **tiers)
-    first, _, _ = generate(engine, [A])[0]
+@pytest.fixture(scope="module")
+def baseline(tiny):
+    ids, engine = no_cache_baseline(tiny, A)
+    margins = greedy_margins(tiny[0], engine.tokenizer.encode(A), len(ids))
+    assert min(margins) > MIN_GREEDY_MARGIN, f"A's greedy tokens are near ties {margins}: pick another A"
+    yield ids, engine
+    engine.close()
+
+
+def served(model_pair, baseline, expect_tier: str, a: str = A, others: list[str] = OTHERS, **tiers) -> None:
+    engine = make_engine(model_pair, cache__page_size=PAGE, **tiers)
+    first, _, _ = generate(engine, [a])[0]
     assert first == baseline[0]
-    for other in OTHERS:
+    for other in others:
         generate(engine, [other])
         settle_l3(engine)
-    ids, _, out = generate(engine, [A])[0]
+    ids, _, out = generate(engine, [a])[0]
     cached = out.usage.cached_tokens
-    full = len(engine.tokenizer.encode(A)) // PAGE * PAGE
+    full = len(engine.tokenizer.encode(a)) // PAGE * PAGE
     if expect_tier == "none":
         assert cached == {"device": 0, "host": 0, "disk": 0}
     else:
@@ -73,7 +110,19 @@ def served(smollm, baseline, expect_tier: str, **tiers) -> None:
     engine.close()
 
 
-def test_prefix_from_device(smollm, baseline):
+def test_a_wrong_prefix_page_changes_the_output(tiny, baseline):
+    """A with any one of its full pages taken from another prompt generates other tokens: the tier tests' equal
+    outputs would catch a tier that served a wrong page."""
+    pages = len(A) // PAGE
+    swapped = [A[: j * PAGE] + REAL_OTHERS[0][j * PAGE : (j + 1) * PAGE] + A[(j + 1) * PAGE :] for j in range(pages)]
+    assert all(len(s) == len(A) and s != A for s in swapped)
+    engine = make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=4096)
+    outputs = [ids for ids, _, _ in generate(engine, swapped)]
+    assert all(ids != baseline[0] for ids in outputs), outputs
+    engine.close()
+
+
+def test_prefix_from_device(tiny, baseline):
     engine = baseline[1]
     ids, _, out = generate(engine, [A])[0]
     assert out.usage.cached_tokens["device"] == len(engine.tokenizer.encode(A)) // PAGE * PAGE
@@ -85,49 +134,72 @@ LOAD_MODES = {  # how the engine starts page loads
     "loads-after-forward": {"scheduler__launch_loads_after_forward": True, "scheduler__admit_during_forward": False},
     "admit-during-forward": {"scheduler__launch_loads_after_forward": False, "scheduler__admit_during_forward": True},
 }
+HOST_TIERS = {"cache__device__size_tokens": 12 * PAGE, "cache__host__size_tokens": 4096}
+
+
+def disk_tiers(tmp_path) -> dict:
+    return {"cache__device__size_tokens": 12 * PAGE, "cache__host__size_tokens": 12 * PAGE,
+            "cache__l3__path": str(tmp_path / "l3"), "cache__l3__size_gib": None, "cache__l3__size_tokens": 4096}
 
 
 @pytest.mark.parametrize("mode", LOAD_MODES)
-def test_prefix_from_host(smollm, baseline, mode):
-    served(smollm, baseline, "host", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=4096,
-           **LOAD_MODES[mode])
+def test_prefix_from_host(tiny, baseline, mode):
+    served(tiny, baseline, "host", **HOST_TIERS, **LOAD_MODES[mode])
 
 
 @pytest.mark.parametrize("mode", LOAD_MODES)
-def test_prefix_from_disk(smollm, baseline, tmp_path, mode):
-    served(smollm, baseline, "disk", cache__device__size_tokens=12 * PAGE, cache__host__size_tokens=12 * PAGE,
-           cache__l3__path=str(tmp_path / "l3"), cache__l3__size_gib=None, cache__l3__size_tokens=4096,
-           **LOAD_MODES[mode])
+def test_prefix_from_disk(tiny, baseline, tmp_path, mode):
+    served(tiny, baseline, "disk", **disk_tiers(tmp_path), **LOAD_MODES[mode])
 
 
-def test_prefix_recomputed(smollm, baseline):
-    served(smollm, baseline, "none", cache__device__size_tokens=12 * PAGE)
+def test_prefix_recomputed(tiny, baseline):
+    served(tiny, baseline, "none", cache__device__size_tokens=12 * PAGE)
 
 
-def test_batched_with_others(smollm, baseline):
-    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=4096, scheduler__chunk_tokens=96)
+def test_real_weights_prefix_from_disk_equals_no_cache(smollm, tmp_path):
+    """End to end on the real SmolLM2 (the default load mode): A's prefix written down to disk, pushed out of the GPU
+    and host by other prompts and loaded back gives the tokens of a run with no cache."""
+    ids, engine = no_cache_baseline(smollm, REAL_A)
+    engine.close()
+    served(smollm, (ids,), "disk", a=REAL_A, others=REAL_OTHERS, **disk_tiers(tmp_path),
+           **LOAD_MODES["loads-after-forward"])
+
+
+def test_batched_with_others(tiny, baseline):
+    engine = make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=4096, scheduler__chunk_tokens=96)
     results = generate(engine, [OTHERS[0], A, OTHERS[1], OTHERS[2]])
     assert results[1][0] == baseline[0]
     assert engine.stats()["engine"]["steps"] < 4 * 9  # prefill chunks and decodes were batched
 
 
-def test_stop_string_trims_and_streams(smollm):
-    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=2048)
-    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+# random:tiny's greedy answers (> 1e-3 margins): bytes, some of them lone halves of UTF-8 characters (U+FFFD) or
+# ids past the byte vocabulary (no text); the chat ends with <|im_end|> after 7 tokens, the question runs to 16
+EOS_PROMPT = "go other first its"
+QUESTION = "Name the capital of Mongolia."  # answered "C\ufffdp\ufffd7p8H": "p" is a partial stop string, let go
+
+
+def test_stop_string_trims_and_streams(tiny):
+    engine = make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=2048)
+    engine.add_request("eos", engine.tokenizer.encode(EOS_PROMPT), SamplingParams(temperature=0.0, max_tokens=16))
+    eos = run_all(engine)["eos"]
+    assert eos[2].finish_reason == "stop" and len(eos[0]) < 16 and eos[0][-1] in engine.tokenizer.eos_token_ids
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     ids = engine.tokenizer.encode(prompt)
     engine.add_request("free", ids, SamplingParams(temperature=0.0, max_tokens=16))
     full = run_all(engine)["free"]
-    assert "Paris" in full[1] and full[2].finish_reason == "stop"  # EOS
-    engine.add_request("stopped", ids, SamplingParams(temperature=0.0, max_tokens=16, stop=("Paris", "London")))
+    assert "p8H" in full[1] and full[1].index("p") < full[1].index("p8H")  # a partial match comes first
+    assert full[2].finish_reason == "length"  # no EOS: "stop" below is the stop string's
+    engine.add_request("stopped", ids, SamplingParams(temperature=0.0, max_tokens=16, stop=("p8H", "London")))
     ids_out, text, out = run_all(engine)["stopped"]  # text = concatenated streamed deltas
     assert out.finish_reason == "stop"
-    assert text == full[1][: full[1].index("Paris")]
-    assert "Par" not in text[-3:]
+    assert text == full[1][: full[1].index("p8H")]
+    assert not text.endswith(("p", "p8"))
+    engine.close()
 
 
-def test_idle_engine_starts_deferred_host_copies(smollm, baseline):
+def test_idle_engine_starts_deferred_host_copies(tiny, baseline):
     """With room on the GPU, write-through copies wait (cache.write_policy.defer_above_free); an idle step copies."""
-    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=4096,
+    engine = make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=4096,
                          cache__host__size_tokens=4096, cache__write_policy__defer_above_free=0.25)
     generate(engine, [A])
     ctrl = engine.ctrl
@@ -142,8 +214,8 @@ def test_idle_engine_starts_deferred_host_copies(smollm, baseline):
     engine.close()
 
 
-def test_write_through_at_commit_when_deferral_is_off(smollm, baseline):
-    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=4096,
+def test_write_through_at_commit_when_deferral_is_off(tiny, baseline):
+    engine = make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=4096,
                          cache__host__size_tokens=4096, cache__write_policy__defer_above_free=1.0)
     generate(engine, [A])
     assert engine.ctrl.host.used_pages() >= len(engine.tokenizer.encode(A)) // PAGE
@@ -151,10 +223,10 @@ def test_write_through_at_commit_when_deferral_is_off(smollm, baseline):
     engine.close()
 
 
-def test_held_loads_start_in_the_step_that_asks_for_them(smollm, baseline):
+def test_held_loads_start_in_the_step_that_asks_for_them(tiny, baseline):
     """launch_loads_after_forward: A's host load, asked for while the step also prefills another prompt, starts
     right after that step's forward: no step ends with a load still held, and A's output is unchanged."""
-    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
+    engine = make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
                          cache__host__size_tokens=4096, scheduler__launch_loads_after_forward=True)
     generate(engine, [A])
     for other in OTHERS[1:]:
@@ -180,13 +252,13 @@ def test_held_loads_start_in_the_step_that_asks_for_them(smollm, baseline):
     engine.close()
 
 
-def test_admission_during_the_forward_starts_the_next_load_in_the_same_step(smollm, baseline):
+def test_admission_during_the_forward_starts_the_next_load_in_the_same_step(tiny, baseline):
     """admit_during_forward: A, queued behind another prompt's last prefill chunk, is admitted while that chunk's
     forward runs, and its host load is launched before the step returns (no step ends with a load held or the
     fence still pinned); without the setting A is still waiting when that step ends. A's output is unchanged."""
     waiting_after = {}
     for ahead in (False, True):
-        engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
+        engine = make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
                              cache__host__size_tokens=4096, scheduler__chunk_tokens=2 * PAGE,
                              scheduler__admit_during_forward=ahead)
         generate(engine, [A])
@@ -216,10 +288,10 @@ def test_admission_during_the_forward_starts_the_next_load_in_the_same_step(smol
     assert waiting_after == {False: True, True: False}
 
 
-def test_close_after_a_failed_step_launches_the_held_loads(smollm, baseline):
+def test_close_after_a_failed_step_launches_the_held_loads(tiny, baseline):
     """A forward that raises after scheduling leaves A's load held; close() must launch it to drain A's ticket
     instead of waiting for it forever."""
-    engine = make_engine(smollm, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
+    engine = make_engine(tiny, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
                          cache__host__size_tokens=4096, scheduler__launch_loads_after_forward=True)
     generate(engine, [A])
     for other in OTHERS[1:]:
