@@ -1,14 +1,23 @@
-"""Shared fixtures: a tiny KV layout, the real SmolLM2 loaded once per session."""
+"""Shared fixtures: a tiny KV layout, the real SmolLM2 loaded once per session; one CPU thread per process."""
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
+import os
 
-import pytest
-import torch
+# Before torch is imported here or in a subprocess (servers, the interpreter checks inherit it); a caller's value
+# wins. The tests' models are small (random:tiny; SmolLM2-135M on prompts of tens of tokens): a second intra-op
+# thread buys little, and on a busy machine OpenMP workers spinning at barriers cost much (the suite on two cores
+# next to two busy loops: 138 s with two threads, 97 s with one; idle: 64-69 s, 53 s, as the background
+# interpreter subprocess gets the other core).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tiers import KVLayout
+import importlib.util  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tiers import KVLayout  # noqa: E402
 
 
 @pytest.fixture
