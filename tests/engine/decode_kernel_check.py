@@ -1,5 +1,6 @@
-"""Run by test_decode_kernel.py in a subprocess with TRITON_INTERPRET=1 (Triton's CPU interpreter must be
-chosen before Triton is imported): computes the kernel's outputs and saves them for the test to compare.
+"""The decode kernel's outputs for test_decode_kernel.py to compare, under TRITON_INTERPRET=1 (Triton's CPU
+interpreter must be chosen before Triton is imported): run by interpreted_checks.py (its "decode" section), or
+alone.
 
 Usage: python decode_kernel_check.py OUT.pt
 """

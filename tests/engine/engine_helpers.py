@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -13,16 +14,44 @@ from torch import Tensor
 from hicache.engine import load_model
 from hicache.engine.model import ForwardBatch, LlamaModel
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+INTERPRETER_TIMEOUT_S = 600.0
 
-def run_interpreted(script: str, out: Path, *args: str) -> dict:
-    """Run tests/engine/<script> OUT.pt [ARGS] under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before
-    Triton is imported, hence a subprocess) and load the results it saved."""
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve().parent / script), str(out), *args],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out)
+
+class InterpretedRun:
+    """interpreted_checks.py SECTION... started now in a subprocess under Triton's interpreter (TRITON_INTERPRET=1
+    must be set before Triton is imported); `results(section)` waits for that section and loads what it saved."""
+
+    def __init__(self, out_dir: Path, sections: list[str]) -> None:
+        self.out_dir, self.sections = out_dir, list(sections)
+        self.log_path = out_dir / "interpreter.log"
+        self._log = open(self.log_path, "wb")
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        # this checkout's hicache first, as in the tests that started it (not the one a venv may have installed)
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), *inherited])}
+        script = Path(__file__).resolve().parent / "interpreted_checks.py"
+        self.proc = subprocess.Popen([sys.executable, str(script), str(out_dir), *self.sections],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.deadline = time.monotonic() + INTERPRETER_TIMEOUT_S
+
+    def results(self, section: str) -> dict:
+        assert section in self.sections, f"{section!r} was not asked of this run"
+        done, failed = self.out_dir / f"{section}.pt", self.out_dir / f"{section}.error"
+        while not (done.exists() or failed.exists()) and self.proc.poll() is None:
+            if time.monotonic() > self.deadline:
+                self.kill()
+                raise AssertionError(f"interpreter checks not done after {INTERPRETER_TIMEOUT_S} s")
+            time.sleep(0.05)
+        if done.exists():
+            return torch.load(done)
+        why = failed.read_text() if failed.exists() else f"exit {self.proc.returncode}:\n{self.log_path.read_text()}"
+        raise AssertionError(f"interpreter check {section!r} failed:\n{why[-4000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
 
 
 def slot(page_table: Tensor, position: int, page_size: int) -> int:

@@ -1,5 +1,6 @@
-"""Run by test_prefill_kernel.py in a subprocess with TRITON_INTERPRET=1 (Triton's CPU interpreter must be
-chosen before Triton is imported): computes the prefix kernel's outputs and saves them for the test to compare.
+"""The prefix kernel's outputs for test_prefill_kernel.py to compare, under TRITON_INTERPRET=1 (Triton's CPU
+interpreter must be chosen before Triton is imported): run by interpreted_checks.py (its "prefill" and "mixed"
+sections), or alone.
 
 Usage: python prefill_kernel_check.py OUT.pt [mixed]   (mixed: only the step mixing both kernels, which also needs the
 decode kernel to run under the interpreter)

@@ -7,13 +7,6 @@ import math
 
 import pytest
 import torch
-from engine_helpers import run_interpreted
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    pytest.importorskip("triton", reason="the decode kernel is written in Triton")
-    return run_interpreted("decode_kernel_check.py", tmp_path_factory.mktemp("kernel") / "results.pt")
 
 
 def reference_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, page_size: int):
@@ -34,8 +27,8 @@ def reference_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, 
 
 
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_kernel_matches_attention_over_the_page_table(interpreted: dict, splits: int) -> None:
-    case = interpreted["kernel"]
+def test_kernel_matches_attention_over_the_page_table(interpreted_decode: dict, splits: int) -> None:
+    case = interpreted_decode["kernel"]
     assert case["supported"] is True
     expected = reference_attention(case["q"], case["kv"], case["table"], case["lens"], case["page_size"])
     got = case[f"splits_{splits}"]
@@ -43,8 +36,8 @@ def test_kernel_matches_attention_over_the_page_table(interpreted: dict, splits:
     assert torch.count_nonzero(got[-1]) == 0  # the empty sequence
 
 
-def test_model_decode_through_kernel_matches_reference(interpreted: dict) -> None:
-    case = interpreted["model"]
+def test_model_decode_through_kernel_matches_reference(interpreted_decode: dict) -> None:
+    case = interpreted_decode["model"]
     torch.testing.assert_close(case["eager_kernel"], case["reference"], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(case["decode_forward"], case["reference"], atol=1e-4, rtol=1e-4)
     # the same K/V in the same slots (layer 2's K/V depend on layer 1's attention: equal up to rounding)

@@ -6,9 +6,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-import torch
 
-from hicache.engine import load_model
 from hicache.engine.generate import generate
 from hicache.engine.gguf_convert import unpermute_rotary
 
@@ -35,8 +33,8 @@ def test_unpermute_inverts_llama_cpp_permute(num_heads: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m-instruct", torch.float32, torch.device("cpu"))
+def smollm2(smollm):
+    return smollm  # tests/conftest.py: one load per session
 
 
 def test_smollm2_knows_the_capital_of_france(smollm2) -> None:

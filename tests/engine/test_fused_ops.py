@@ -3,30 +3,22 @@ interpreter), and their PyTorch fallback."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from engine_helpers import run_interpreted
 
 from hicache.engine import fused_ops
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    pytest.importorskip("triton", reason="the fused kernels are written in Triton")
-    return run_interpreted("fused_ops_check.py", tmp_path_factory.mktemp("fused") / "results.pt")
-
-
-def test_silu_and_mul_kernel_matches_pytorch(interpreted: dict) -> None:
-    assert [c["gate_up"].shape[0] for c in interpreted["silu"]] == [5, 3, 0]
-    for case in interpreted["silu"]:
+def test_silu_and_mul_kernel_matches_pytorch(interpreted_fused: dict) -> None:
+    assert [c["gate_up"].shape[0] for c in interpreted_fused["silu"]] == [5, 3, 0]
+    for case in interpreted_fused["silu"]:
         gate, up = case["gate_up"].chunk(2, dim=-1)
         expected = torch.nn.functional.silu(gate) * up
         assert case["contiguous"] and case["got"].shape == expected.shape
         torch.testing.assert_close(case["got"], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_rope_kernel_rotates_only_the_viewed_heads_in_place(interpreted: dict) -> None:
-    for case in interpreted["rope"]:
+def test_rope_kernel_rotates_only_the_viewed_heads_in_place(interpreted_fused: dict) -> None:
+    for case in interpreted_fused["rope"]:
         qkv, heads, cos, sin = case["qkv"], case["heads"], case["cos"], case["sin"]
         half = qkv.shape[-1] // 2
         x1, x2 = qkv[:, :heads, :half], qkv[:, :heads, half:]

@@ -6,21 +6,6 @@ import math
 
 import pytest
 import torch
-from engine_helpers import run_interpreted
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    pytest.importorskip("triton", reason="the prefix kernel is written in Triton")
-    return run_interpreted("prefill_kernel_check.py", tmp_path_factory.mktemp("kernel") / "results.pt")
-
-
-@pytest.fixture(scope="module")
-def interpreted_mixed(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The mixed step in its own subprocess: it needs the decode kernel under the interpreter too, which Triton 3.6's
-    interpreter cannot run (the H200 machine's; CI's 3.9 can), and the prefix kernel's checks need not fail with it."""
-    pytest.importorskip("triton", reason="the prefix and decode kernels are written in Triton")
-    return run_interpreted("prefill_kernel_check.py", tmp_path_factory.mktemp("mixed") / "results.pt", "mixed")
 
 
 def causal_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq_len: int, page_size: int):
@@ -36,8 +21,8 @@ def causal_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, seq
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
 
 
-def test_kernel_matches_causal_attention_over_the_page_table(interpreted: dict) -> None:
-    case = interpreted["kernel"]
+def test_kernel_matches_causal_attention_over_the_page_table(interpreted_prefill: dict) -> None:
+    case = interpreted_prefill["kernel"]
     assert len(case["cases"]) == 8
     for c in case["cases"]:
         expected = causal_attention(c["q"], case["kv"], case["table"], c["seq_len"], case["page_size"])
@@ -47,8 +32,8 @@ def test_kernel_matches_causal_attention_over_the_page_table(interpreted: dict) 
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=f"seq_len {c['seq_len']}, {name}")
 
 
-def test_model_prefill_through_kernel_matches_sdpa(interpreted: dict) -> None:
-    case = interpreted["model"]
+def test_model_prefill_through_kernel_matches_sdpa(interpreted_prefill: dict) -> None:
+    case = interpreted_prefill["model"]
     assert case["supported"] is True and case["ran"] is True  # the kernel ran: no fallback to SDPA
     torch.testing.assert_close(case["kernel"], case["sdpa"], atol=1e-4, rtol=1e-4)
     # the chunk's K/V went to the same slots (layer 2's depend on layer 1's attention: equal up to rounding)

@@ -1,4 +1,4 @@
-"""Fixtures for scheduler/engine tests: models loaded once per session."""
+"""Fixtures for scheduler/engine tests: random:tiny loaded once per session (SmolLM2: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,4 @@ from hicache.engine.weights import load_model
 @pytest.fixture(scope="session")
 def tiny() -> tuple[Any, Any]:
     return load_model("random:tiny", torch.float32, torch.device("cpu"))
-
-
-@pytest.fixture(scope="session")
-def smollm() -> tuple[Any, Any]:
-    return load_model("smollm2-135m-instruct", torch.float32, torch.device("cpu"))
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import httpx
 import openai
 import pytest
+from server_helpers import ServerProcess
 
 MODEL = "random:tiny"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -80,22 +83,36 @@ def test_unknown_model_and_path(server) -> None:
     assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
 
 
-def test_body_too_large(start_server) -> None:
-    srv = start_server("--model", "random:tiny", "--device", "cpu", "--no-l3", "--load-mode", "always",
-                       "--max-body-bytes", "2000")
-    assert_error(post(srv, "/v1/completions", json={"model": MODEL, "prompt": "y" * 3000}), 413)
-    assert post(srv, "/v1/completions", json={"model": MODEL, "prompt": "y" * 100, "max_tokens": 1}).status_code == 200
+KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def test_api_key(start_server) -> None:
-    srv = start_server("--model", "random:tiny", "--device", "cpu", "--no-l3", "--load-mode", "always",
-                       env={"HICACHE_API_KEY": "s3cret"})
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for the body limit and the API key (a server start is most of either test)."""
+    directory = tmp_path_factory.mktemp("locked")
+    proc = ServerProcess(["--model", "random:tiny", "--device", "cpu", "--no-l3", "--load-mode", "always",
+                          "--max-body-bytes", "2000"], directory / "server.log", {"HICACHE_API_KEY": KEY})
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.kill()
+
+
+def test_body_too_large(locked) -> None:
+    assert_error(post(locked, "/v1/completions", json={"model": MODEL, "prompt": "y" * 3000}, headers=AUTH), 413)
+    r = post(locked, "/v1/completions", json={"model": MODEL, "prompt": "y" * 100, "max_tokens": 1}, headers=AUTH)
+    assert r.status_code == 200
+
+
+def test_api_key(locked) -> None:
+    srv = locked
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}):
         assert_error(post(srv, "/v1/chat/completions", json=CHAT, headers=headers), 401, code="invalid_api_key")
         assert_error(httpx.get(f"{srv.url}/v1/models", headers=headers), 401)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0).models.list()
-    good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+    good = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=60)
     assert good.chat.completions.create(**CHAT).usage.completion_tokens >= 1
     assert httpx.get(f"{srv.url}/health").status_code == 200  # health and metrics stay open for probes
     assert httpx.get(f"{srv.url}/metrics").status_code == 200
