@@ -177,24 +177,42 @@ class Engine:
             if not plan:
                 probe.end(plan, 0)
                 return outputs
-            self.scheduler.before_forward(plan)  # the stream waits for the copies of the pages the plan reads
-            probe.forward_begin()
-            logits = self._forward(plan)
-            probe.forward_queued()
-            self.scheduler.after_forward(plan)  # next-step admission meanwhile; the step's held loads start
-            probe.sampling()
-            done = [(i, req) for i, (req, n) in enumerate(plan) if req.computed + n == len(req.token_ids)]
-            tokens = self._sample(logits, done)
-            probe.sampled()
-            # commit after the sampled tokens reached the host: the GPU -> host backups that commits start are
-            # queued after this step's work, so reading the sampled tokens never waits behind them
-            self.scheduler.advance(plan)
+            try:
+                self.scheduler.before_forward(plan)  # the stream waits for the copies of the pages the plan reads
+                probe.forward_begin()
+                logits = self._forward(plan)
+                probe.forward_queued()
+                self.scheduler.after_forward(plan)  # next-step admission meanwhile; the step's held loads start
+                probe.sampling()
+                done = [(i, req) for i, (req, n) in enumerate(plan) if req.computed + n == len(req.token_ids)]
+                tokens = self._sample(logits, done)
+                probe.sampled()
+                # commit after the sampled tokens reached the host: the GPU -> host backups that commits start are
+                # queued after this step's work, so reading the sampled tokens never waits behind them
+                self.scheduler.advance(plan)
+            except Exception as e:  # noqa: BLE001 - one step's failure ends its requests, not the engine
+                outputs.extend(self._fail(plan, e))
+                probe.end([], 0)
+                return outputs
         first_tokens = 0
         for (_, req), token in zip(done, tokens):
             first_tokens += req.num_output == 0
             self._append(req, token)
             outputs.append(self._output(req))
         probe.end(plan, first_tokens)
+        return outputs
+
+    def _fail(self, plan: Sequence[tuple[Request, int]], error: Exception) -> list[StepOutput]:
+        """A step raised: its requests end with an error output (their pages go back, computed pages stay cached);
+        requests outside the step, and the engine, go on."""
+        logger.error("a step of %d sequences failed; ending its requests: %r", len(plan), error, exc_info=error)
+        outputs = []
+        for req in dict.fromkeys(req for req, _ in plan):
+            if self.requests.pop(req.request_id, None) is None:
+                continue
+            self.scheduler.remove(req)
+            req.finish_reason, req.error = "error", f"the engine failed while computing this request: {error!r}"
+            outputs.append(self._output(req))
         return outputs
 
     def _sample(self, logits: torch.Tensor, done: list[tuple[int, Request]]) -> list[int]:

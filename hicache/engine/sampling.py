@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM draws the same line)
+
 
 @dataclass(frozen=True)
 class SamplerParams:
@@ -42,7 +44,8 @@ class SamplerParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """temperature 0 (or below GREEDY_BELOW, where logits / temperature overflow to garbage) or top_k 1."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def make_generator(params: SamplerParams, device: torch.device) -> torch.Generator | None:
@@ -96,7 +99,7 @@ def _filter_top_k_top_p(probs: Tensor, top_k: list[int], top_p: list[float]) -> 
     vocab = probs.shape[1]
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=probs.device)[None, :]
-    k = torch.tensor([vocab if k == -1 else k for k in top_k], device=probs.device)
+    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=probs.device)
     p = torch.tensor(top_p, device=probs.device)
     # keep a sorted token if it is within the top k and the mass before it is below top_p (the first always)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -114,6 +114,8 @@ class _Tracker:
 def _error_from_output(out: StepOutput) -> p.APIError:
     if out.error and out.error.startswith(("engine is not running", "engine failure", "engine shut down")):
         return p.APIError(503, out.error, "server_error")
+    if out.error and out.error.startswith("the engine failed"):  # its step raised (Engine._fail): ours, not theirs
+        return p.APIError(500, out.error, "server_error")
     return p.APIError(400, out.error or "request failed")
 
 

@@ -9,10 +9,11 @@ hicache extensions: `ignore_eos`, `top_k`, `stop_token_ids` in requests; in `usa
 from __future__ import annotations
 
 import json
+import math
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
 from hicache.engine.params import SamplingParams
@@ -38,6 +39,30 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+INT_MAX = 2**31 - 1  # bound of the integer knobs (top_k, n, token counts): more than any model has
+SEED_MAX = 2**63 - 1  # torch's generator takes a signed 64-bit seed
+
+
+def _integer(value: Any) -> Any:
+    """JSON integers only: not `true` (a bool is an int in Python), not "3", not 3.0."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be an integer")
+    return value
+
+
+def _number(value: Any) -> Any:
+    """JSON numbers only (not booleans or strings), finite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")
+    if not math.isfinite(value):
+        raise ValueError("must be finite")
+    return float(value)
+
+
+Integer = Annotated[int, BeforeValidator(_integer)]
+Number = Annotated[float, BeforeValidator(_number)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -49,19 +74,20 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
+    max_tokens: Integer | None = Field(None, ge=1, le=INT_MAX)
+    temperature: Number | None = Field(None, ge=0, le=1e4)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    top_k: Integer | None = Field(None, ge=-1, le=INT_MAX)
+    n: Integer = Field(1, ge=1, le=INT_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = Field(None, max_length=16)
+    stop_token_ids: list[Annotated[Integer, Field(ge=0, le=INT_MAX)]] | None = Field(None, max_length=1024)
+    seed: Integer | None = Field(None, ge=0, le=SEED_MAX)
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Number = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Number = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Any] | None = None
     logprobs: Any = None
     user: str | None = None
 
@@ -86,8 +112,8 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    max_completion_tokens: Integer | None = Field(None, ge=1, le=INT_MAX)
+    top_logprobs: Integer | None = Field(None, ge=0, le=20)
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -177,7 +203,7 @@ def validate(model: type[BaseModel], data: Any) -> Any:
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
     """The engine's SamplingParams for a request; 400 for unsupported or impossible values."""
-    unsupported = {"n": req.n != 1, "logprobs": bool(req.logprobs),
+    unsupported = {"n": req.n != 1, "logprobs": bool(req.logprobs), "logit_bias": bool(req.logit_bias),
                    "presence_penalty": req.presence_penalty != 0, "frequency_penalty": req.frequency_penalty != 0}
     if isinstance(req, CompletionRequest):
         unsupported.update(echo=req.echo, best_of=req.best_of not in (None, 1), suffix=bool(req.suffix))
