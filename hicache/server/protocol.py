@@ -186,15 +186,30 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes")
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
+    return data
+
+
+def _check_text(text: str, param: str) -> str:
+    """Text the tokenizer can encode: a lone surrogate (JSON's "\\ud800" escape) is not a character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param}: not valid Unicode text ({e.reason} at position {e.start})",
+                       param=param) from None
+    return text
 
 
 def validate(model: type[BaseModel], data: Any) -> Any:
     """data as `model`, or a 400 naming the first bad field."""
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise APIError(400, "body: nested too deeply") from None
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(part) for part in err["loc"]) or None
@@ -216,6 +231,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             values[name] = getattr(req, name)
     if req.stop is not None:
         values["stop"] = req.stop
+        for stop in [req.stop] if isinstance(req.stop, str) else req.stop:
+            _check_text(stop, "stop")
     if req.stop_token_ids is not None:
         values["stop_token_ids"] = tuple(req.stop_token_ids)
     try:
@@ -238,7 +255,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                                      param=f"messages.{i}.content")
                 texts.append(part["text"])
             content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
+        out.append({"role": _check_text(m.role, f"messages.{i}.role"),
+                    "content": _check_text(content or "", f"messages.{i}.content")})
     return out
 
 
@@ -249,4 +267,4 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         if len(prompt) != 1:
             raise APIError(400, f"got {len(prompt)} prompts; one prompt per request is supported", param="prompt")
         prompt = prompt[0]
-    return prompt
+    return _check_text(prompt, "prompt") if isinstance(prompt, str) else prompt

@@ -95,3 +95,31 @@ def test_any_body_gets_200_or_an_error_object(server, fields, chat) -> None:
 
 def test_the_engine_is_fine_after_the_fuzzing(server) -> None:
     assert_still_serving(server)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b'{"prompt": "x\\ud800y", "max_tokens": 3}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\udfffy"}], "max_tokens": 3}',
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages.0.content"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"], "max_tokens": 3}', "stop"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, body, param) -> None:
+    r = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "Unicode" in r.json()["error"]["message"]
+
+
+def test_deeply_nested_json_is_a_400(server) -> None:
+    deep_array = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.post(f"{server.url}/v1/completions", content=deep_array, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    part = '{"a": ' * 5000 + "1" + "}" * 5000
+    body = ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "x": ' + part + "}]}]}")
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body.encode(),
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert_still_serving(server)
