@@ -53,7 +53,9 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, api_key: st
         logger.info("shutting down the engine (finishing L3 writes, closing the store)")
         await asyncio.to_thread(engine.shutdown, 120.0)
 
-    app = FastAPI(title="hicache", lifespan=lifespan)
+    # the interactive docs describe the API to whoever asks: not when the API is behind a key
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="hicache", lifespan=lifespan, **docs)
     app.state.hicache = state
 
     @app.exception_handler(p.APIError)
@@ -80,7 +82,7 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, api_key: st
             raise p.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                              code="invalid_api_key")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         runner = engine.runner
         if runner.error is not None:

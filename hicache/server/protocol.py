@@ -90,6 +90,10 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, Any] | None = None
     logprobs: Any = None
     user: str | None = None
+    # OpenAI features this server does not implement: refused by name when asked for (see sampling_params)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -220,8 +224,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     """The engine's SamplingParams for a request; 400 for unsupported or impossible values."""
     unsupported = {"n": req.n != 1, "logprobs": bool(req.logprobs), "logit_bias": bool(req.logit_bias),
                    "presence_penalty": req.presence_penalty != 0, "frequency_penalty": req.frequency_penalty != 0}
+    unsupported.update(tools=bool(req.tools), tool_choice=req.tool_choice not in (None, "none"),
+                       response_format=bool(req.response_format) and req.response_format.get("type") != "text")
     if isinstance(req, CompletionRequest):
         unsupported.update(echo=req.echo, best_of=req.best_of not in (None, 1), suffix=bool(req.suffix))
+    else:
+        unsupported.update(top_logprobs=bool(req.top_logprobs))
     for name, bad in unsupported.items():
         if bad:
             raise APIError(400, f"{name}={getattr(req, name)!r} is not supported", param=name)

@@ -116,3 +116,5 @@ def test_api_key(locked) -> None:
     assert good.chat.completions.create(**CHAT).usage.completion_tokens >= 1
     assert httpx.get(f"{srv.url}/health").status_code == 200  # health and metrics stay open for probes
     assert httpx.get(f"{srv.url}/metrics").status_code == 200
+    for path in ("/docs", "/redoc", "/openapi.json"):  # the API's description is not open behind a key
+        assert_error(httpx.get(f"{srv.url}{path}"), 404)

@@ -123,3 +123,21 @@ def test_deeply_nested_json_is_a_400(server) -> None:
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert_still_serving(server)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("response_format", {"type": "json_object"}), ("top_logprobs", 2),
+])
+def test_openai_features_not_implemented_are_refused_by_name(server, field, value) -> None:
+    r = post(server, "/v1/chat/completions", {**CHAT, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "not supported" in r.json()["error"]["message"]
+    ok = post(server, "/v1/chat/completions", {**CHAT, "tool_choice": "none", "response_format": {"type": "text"}})
+    assert ok.status_code == 200, ok.text  # the values that ask for nothing are fine
+
+
+def test_head_health(server) -> None:
+    r = httpx.head(f"{server.url}/health", timeout=10)
+    assert r.status_code == 200
