@@ -248,7 +248,7 @@ def test_inspect_reports_and_verifies_without_modifying(tmp_path, page_bytes):
     before = _snapshot(tmp_path / "s")
     report = inspect_store(tmp_path / "s", verify=True)
     assert _snapshot(tmp_path / "s") == before
-    assert report["pages"] == 6 and report["page_bytes"] == page_bytes and report["format_version"] == 1
+    assert report["pages"] == 6 and report["page_bytes"] == page_bytes and report["format_version"] == 2
     assert report["namespaces"] == {NAMESPACE.hex(): 6}
     assert report["capacity_pages"] == 16 * 16384 // slot_bytes
     assert report["verify"] == {"good": 5, "bad": 1}
@@ -266,3 +266,27 @@ def test_inspect_works_from_another_process_while_a_writer_holds_the_store(tmp_p
         done = subprocess.run([PYTHON, "-c", script, str(tmp_path / "s")], env=subprocess_env(),
                               capture_output=True, text=True, timeout=60)
         assert "'verify': {'good': 3, 'bad': 0}" in done.stdout, done.stderr
+
+
+def test_a_record_moved_to_another_key_fails_verification_and_is_never_served(open_store, tmp_path):
+    """Shuffle the (slot, checksum) values among the index records: every page must then fail, not be served under
+    another key (the checksum covers namespace and key, not only the bytes)."""
+    import lmdb
+
+    from tiers.l3.format import IndexRecord, index_key
+
+    store = open_store(pages=8)
+    keys = [key(i) for i in range(4)]
+    assert all(store.write_pages(keys, [content(k, 8192) for k in keys]))
+    store.close()
+    env = lmdb.open(str(tmp_path / "store" / "index.lmdb"), subdir=False, max_dbs=0)
+    with env.begin(write=True) as txn:
+        records = [IndexRecord.unpack(txn.get(index_key(NAMESPACE, k))) for k in keys]
+        for k, record in zip(keys, records[1:] + records[:1]):  # each key takes the next key's slot and checksum
+            txn.put(index_key(NAMESPACE, k), record.pack())
+    env.close()
+    reopened = open_store(pages=8)
+    out = empty(8192, 4)
+    assert reopened.contains(keys) == [True] * 4
+    assert reopened.read_pages(keys, out) == [False] * 4
+    assert reopened.stats()["checksum_failures"] == 4 and reopened.contains(keys) == [False] * 4

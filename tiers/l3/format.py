@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a record's checksum covers its namespace and key as well as the page bytes
 MAGIC = b"HICACHL3"
 HEADER_BYTES = 4096  # the header block; slot 0 starts right after it
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers
@@ -70,6 +70,12 @@ def _native_xxh3():
 
 
 _XXH3_64 = _native_xxh3()
+
+
+def bound_checksum(namespace: bytes, key: bytes, digest: int) -> int:
+    """The checksum an index record stores: xxh3_64 of namespace + key + the page bytes' xxh3_64. A record moved
+    to another key (or namespace) no longer verifies, so its bytes are never served under the wrong prompt."""
+    return xxhash.xxh3_64_intdigest(namespace + key + digest.to_bytes(8, "little"))
 
 
 def checksum(buffer) -> int:

@@ -25,6 +25,7 @@ from tiers.l3.format import (
     L3Error,
     SlabHeader,
     VersionMismatch,
+    bound_checksum,
     index_key,
     slot_bytes_for,
 )
@@ -331,7 +332,7 @@ class L3Store:
             for (i, slot, digest), outcome in zip(plan, outcomes):
                 self._unpin(slot)
                 entry = self._entries.get(keys[i])
-                if outcome.error is None and outcome.digest == digest:
+                if outcome.error is None and bound_checksum(self.namespace, keys[i], outcome.digest) == digest:
                     results[i] = True
                     self._counters["hits"] += 1
                     self._counters["read_bytes"] += self.page_bytes
@@ -547,6 +548,7 @@ class L3Store:
             first = self._stamp(len(group))
             touches = self._take_touches()
         stamps = range(first, first + len(group))  # group order is LRU order
+        digests = [None if d is None else bound_checksum(self.namespace, keys[i], d) for i, d in zip(group, digests)]
         puts = [(index_key(self.namespace, keys[i]), IndexRecord(slot, self.page_bytes, d, t).pack())
                 for i, slot, d, t in zip(group, slots, digests, stamps) if d is not None]
         committed = bool(puts or touches) and self._commit(puts=puts, touches=touches)
