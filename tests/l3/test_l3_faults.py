@@ -207,6 +207,21 @@ def test_second_writer_gets_a_lock_error(tmp_path):
     L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE).close()
 
 
+def test_a_second_writer_is_refused_even_with_the_lock_file_deleted(tmp_path):
+    """Deleting <dir>/lock under a running writer must not let a second writer in (another process, too)."""
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE):
+        os.unlink(tmp_path / "s" / "lock")
+        with pytest.raises(L3Error, match="in use by another writer"):
+            L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE)
+        code = ("import sys; from tiers.l3 import L3Store, L3Error\n"
+                "try:\n    L3Store(sys.argv[1], 8 * 8192, 8192, bytes.fromhex(sys.argv[2]))\n"
+                "except L3Error as e:\n    print('refused:', e)\n")
+        out = subprocess.run([PYTHON, "-c", code, str(tmp_path / "s"), NAMESPACE.hex()], capture_output=True,
+                             text=True, env=subprocess_env(), timeout=60)
+        assert out.stdout.startswith("refused:") and "in use by another writer" in out.stdout, out.stdout + out.stderr
+    L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE).close()  # free again once the first is closed
+
+
 def test_bad_paths_are_clear_errors(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(L3Error, match="not a directory"):

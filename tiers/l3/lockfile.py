@@ -1,4 +1,5 @@
-"""Store directory checks and the single-writer lock (an fcntl.flock, dropped by the kernel on exit)."""
+"""Store directory checks and the single-writer lock (an fcntl.flock on the directory, dropped by the kernel on
+exit)."""
 
 from __future__ import annotations
 
@@ -34,23 +35,40 @@ def prepare_directory(path: str, read_only: bool) -> None:
 
 
 class WriterLock:
-    """An exclusive, non-blocking flock on `<path>/lock`; the holder's pid is written into the file."""
+    """An exclusive, non-blocking flock on the store directory itself; the holder's pid is written to `<path>/lock`
+    for whoever is refused.
+
+    The lock is on the directory, not on a file in it: a file can be deleted under a running writer, and a second
+    writer then locks a new file of the same name and writes beside the first. The directory cannot go without the
+    store going with it."""
 
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, LOCK_NAME)
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as e:
-            raise L3Error(e.errno, f"{self.path}: cannot open lock file: {e.strerror}") from e
+            raise L3Error(e.errno, f"{directory}: cannot open the store directory to lock it: {e.strerror}") from e
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
-            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
+            self.fd = -1
             raise L3Error(errno.EBUSY, f"{directory}: L3 store is in use by another writer "
-                                       f"(lock {self.path} held, pid {holder})") from e
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+                                       f"(pid {self._holder()}; the lock is on the directory)") from e
+        try:
+            with open(self.path, "w") as f:
+                f.write(f"{os.getpid()}\n")
+        except OSError as e:  # the pid file is for messages only: the lock holds without it
+            os.close(self.fd)
+            self.fd = -1
+            raise L3Error(e.errno, f"{self.path}: cannot write the lock's pid file: {e.strerror}") from e
+
+    def _holder(self) -> str:
+        try:
+            with open(self.path) as f:
+                return f.read(32).strip() or "unknown"
+        except OSError:
+            return "unknown"
 
     def release(self) -> None:
         if self.fd >= 0:
