@@ -135,13 +135,20 @@ class TierController:
         """Longest cached prefix of tokens, extended by an L3 index probe past the in-memory tree."""
         return self.lookup.match(tokens)
 
-    def acquire(self, tokens: Sequence[int], max_pages: int | None = None, overlap: bool = False) -> LoadTicket:
+    def acquire(self, tokens: Sequence[int], max_pages: int | None = None, overlap: bool = False,
+                replaces: LoadTicket | None = None) -> LoadTicket:
         """Match tokens, decide how much of the cached prefix to use (at most max_pages: callers keep a token to
         compute), lock it and start its loads; with `overlap` the ticket may have a gap the caller computes while
-        the rest loads (see Loads.acquire, LoadTicket and commit_gap). Write policies see the hits."""
+        the rest loads (see Loads.acquire, LoadTicket and commit_gap). Write policies see the hits. `replaces`:
+        the request's earlier ticket, whose load failed: its prompt is not counted again and its hits, which were
+        not served, are taken back."""
         self.poll()
         m = self.match(tokens)
-        self.stats.prompt_tokens += len(tokens)
+        if replaces is None:
+            self.stats.prompt_tokens += len(tokens)
+        else:
+            for tier, pages in replaces.hit_pages.items():
+                self.stats.hit_tokens[tier] -= pages * self.page_size
         ticket = self.loads.acquire(m, max_pages, overlap)
         self.writes.hit(ticket.nodes)
         return ticket
@@ -285,8 +292,8 @@ class TierController:
         out = {DEVICE: {"used": self.device.used_pages(), "capacity": self.device.capacity_pages}}
         if self.host.capacity_pages:
             out[HOST] = {"used": self.host.used_pages(), "capacity": self.host.capacity_pages}
-        if self.l3.capacity_pages:
-            out[DISK] = {"used": self.tree.pages_in[2], "capacity": self.eviction.disk_capacity}
+        if self.l3.capacity_pages:  # the store's count: it also holds pages written before a restart
+            out[DISK] = {"used": self.l3.used_pages(), "capacity": self.eviction.disk_capacity}
         return out
 
     def check_integrity(self) -> None:

@@ -41,6 +41,8 @@ class L3(Protocol):
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
 
+    def used_pages(self) -> int: ...
+
     def delete(self, keys: Sequence[bytes], wait: bool = True) -> Any:
         """Forget keys; `wait=False`: the store may make that durable later (the engine thread must not wait for
         the disk), but the keys are not found from now on."""
@@ -85,6 +87,9 @@ class NoL3:
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return [False] * len(keys)
+
+    def used_pages(self) -> int:
+        return 0
 
     def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         if len(keys):

@@ -723,3 +723,9 @@ def test_disk_calibration_reads_real_pages_and_leaves_nothing_behind():
     assert h.dev.used_pages() == 0 and h.host.used_pages() == 0
     small = calibrate.disk_to_device_bandwidth(l3, h.copier, h.dev, h.host, pages=8, max_bytes=2 * LAYOUT.page_bytes)
     assert small is not None and l3.pages_read == 3 * 8 + 3 * 2  # capped by bytes
+
+
+def test_disk_usage_after_a_restart_counts_what_the_store_holds():
+    l3 = MemoryL3(32, LAYOUT.page_bytes)
+    h = on_disk_only(l3, seq(7, 3), device=4, host=8)  # a restart: the tree is empty, the store holds 3 pages
+    assert h.ctrl.tree.pages_in[2] == 0 and h.ctrl.usage()[DISK] == {"used": 3, "capacity": 32}

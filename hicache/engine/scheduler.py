@@ -152,9 +152,9 @@ class Scheduler:
         for req in list(self.loading):
             if req.ticket.failed:  # an L3 read failed verification: the controller drops those pages
                 self.loading.remove(req)
-                self._release(req.ticket)
-                req.ticket = None
-                self._acquire(req)
+                failed, req.ticket = req.ticket, None
+                self._release(failed)
+                self._acquire(req, replaces=failed)
             elif req.ticket.prefix_ready():  # the whole prefix, or what precedes its gap
                 self.loading.remove(req)
                 self._start(req)
@@ -256,10 +256,12 @@ class Scheduler:
             self.ctrl.release_prefetch(req.prefetch_hold)
             req.prefetch_hold = None
 
-    def _acquire(self, req: Request) -> None:
-        """Claim the cached prefix (at least one token is left to compute, for the logits)."""
+    def _acquire(self, req: Request, replaces: LoadTicket | None = None) -> None:
+        """Claim the cached prefix (at least one token is left to compute, for the logits); `replaces`: the
+        ticket whose load failed, which this one retries."""
         ps = self.page_size
-        ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps, overlap=True)
+        ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps, overlap=True,
+                                   replaces=replaces)
         req.ticket = ticket
         self._release_prefetch(req)  # the ticket holds what it uses now
         req.pages = ticket.prefix_pages()  # the gap's pages come from alloc_device as it is computed

@@ -165,12 +165,19 @@ def test_failed_l3_read_is_recomputed(tiny, tmp_path):
     store = engine.cache.controller.l3
     real_read = store.read_pages
     store.read_pages = lambda keys, out, *args, **kwargs: [False] * len(keys)  # every page fails verification
+    before = engine.stats()["cache"]
     engine.add_request("again", prompt(1, 33), greedy)
     ids, _, out = run_all(engine)["again"]
     store.read_pages = real_read
-    assert engine.stats()["cache"]["load_failures"] >= 1
+    cache = engine.stats()["cache"]
+    assert cache["load_failures"] >= 1
     assert out.usage.cached_tokens["disk"] == 0
     assert ids == first
+    # the counters say what the request got: its prompt once, no disk hit for pages that failed verification
+    assert cache["prompt_tokens"] - before["prompt_tokens"] == 33
+    assert cache["hit_tokens"]["disk"] == before["hit_tokens"]["disk"]
+    served = sum(cache["hit_tokens"][t] - before["hit_tokens"][t] for t in cache["hit_tokens"])
+    assert served == sum(out.usage.cached_tokens.values())
     assert_no_leaks(engine)
 
 

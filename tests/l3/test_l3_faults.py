@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import glob
 import hashlib
+import logging
 import os
 import subprocess
 
@@ -305,3 +306,17 @@ def test_a_record_moved_to_another_key_fails_verification_and_is_never_served(op
     assert reopened.contains(keys) == [True] * 4
     assert reopened.read_pages(keys, out) == [False] * 4
     assert reopened.stats()["checksum_failures"] == 4 and reopened.contains(keys) == [False] * 4
+
+
+def test_many_bad_pages_make_one_log_line_and_are_all_counted(tmp_path, open_store, caplog):
+    store = open_store(pages=16)
+    ids = list(range(12))
+    assert all(_write(store, ids))
+    for i in ids[:10]:
+        _flip_byte(tmp_path / "store", store._entries[key(i)].slot, store.stats()["slot_bytes"])
+    with caplog.at_level(logging.ERROR, logger="tiers.l3.store"):
+        assert _reads_back(store, ids) == [False] * 10 + [True, True]
+        assert _reads_back(store, ids[:10]) == [False] * 10  # gone now: misses, nothing more to report
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "10 pages failed to read" in lines[0] and "10 checksum mismatches" in lines[0], lines
+    assert store.stats()["checksum_failures"] == 10

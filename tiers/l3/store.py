@@ -41,6 +41,7 @@ COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "hits", "misses", "c
             "short_reads", "read_errors", "evictions", "write_errors", "write_refused", "not_admitted",
             "already_present", "busy", "no_slot", "deletes", "fsyncs", "index_commits", "index_resets",
             "dropped_entries", "access_flushes")
+READ_FAILURE_LOG_S = 10.0  # at most one log line of failed reads this often (all are counted in the stats)
 TOUCH_FLUSH_ENTRIES = 4096  # flush in-memory access times once this many are pending
 
 
@@ -84,6 +85,9 @@ class L3Store:
         self._in_flight: dict[bytes, int] = {}  # key -> slot being written
         self._limbo: set[int] = set()  # removed from memory, index delete not yet committed
         self._pending_drops: list[tuple[bytes, int]] = []  # delete(wait=False): (key, slot) awaiting their commit
+        self._read_failures: list[tuple[str, bytes, int, OSError | None]] = []  # this read call's, for the log
+        self._failures_unlogged = 0
+        self._failures_logged_at = -READ_FAILURE_LOG_S
         self._quarantined: set[int] = set()  # index state unknown after an error; unused until reopen
         self._dirty_access: set[bytes] = set()
         self._last_stamp = 0  # access times are strictly increasing, so LRU order survives a reopen
@@ -352,6 +356,7 @@ class L3Store:
             self._commit_drop(bad, release=True)
         if flush:
             self.flush()
+        self._log_read_failures()
         return results
 
     def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
@@ -614,19 +619,36 @@ class L3Store:
         return touches
 
     def _count_read_failure(self, key: bytes, slot: int, error: OSError | None) -> bool:
-        """Log and count a failed read (caller holds the lock); True if the entry must be dropped."""
-        action = "kept (read-only)" if self.read_only else "dropping it"
+        """Count a failed read and note it for the batch's one log line (caller holds the lock); True if the
+        entry must be dropped."""
         if error is None:
-            self._counters["checksum_failures"] += 1
-            log.error("%s: checksum mismatch for key %s in slot %d; %s", self.path, key.hex(), slot, action)
-            return True
-        if error.errno == errno.ENODATA:
-            self._counters["short_reads"] += 1
-            log.error("%s: short read for key %s in slot %d; %s", self.path, key.hex(), slot, action)
-            return True
-        self._counters["read_errors"] += 1
-        log.error("%s: read error for key %s in slot %d: %s", self.path, key.hex(), slot, error)
-        return False
+            kind, drop = "checksum_failures", True
+        elif error.errno == errno.ENODATA:
+            kind, drop = "short_reads", True
+        else:
+            kind, drop = "read_errors", False
+        self._counters[kind] += 1
+        self._read_failures.append((kind, key, slot, error))
+        return drop
+
+    def _log_read_failures(self) -> None:
+        """One ERROR line for a read call's failed pages (a corrupted store would print one per page), with the
+        counts by kind and the first page; at most one line per READ_FAILURE_LOG_S, the rest counted in it."""
+        with self._lock:
+            failures, self._read_failures = self._read_failures, []
+            self._failures_unlogged += len(failures)
+            now = time.monotonic()
+            if not failures or now - self._failures_logged_at < READ_FAILURE_LOG_S:
+                return
+            count, self._failures_unlogged = self._failures_unlogged, 0
+            self._failures_logged_at = now
+            totals = {k: self._counters[k] for k in ("checksum_failures", "short_reads", "read_errors")}
+        kind, key, slot, error = failures[0]
+        action = "kept (read-only)" if self.read_only else "dropped" if kind != "read_errors" else "kept"
+        log.error("%s: %d pages failed to read since the last report (so far: %d checksum mismatches, %d short "
+                  "reads, %d read errors); e.g. key %s in slot %d: %s, %s", self.path, count,
+                  totals["checksum_failures"], totals["short_reads"], totals["read_errors"], key.hex(), slot,
+                  error or "checksum mismatch", action)
 
     def _release_slot(self, slot: int) -> None:
         if self._pins[slot]:
