@@ -137,3 +137,30 @@ def test_serve_trace_steps_window():
     for bad in ("100", "a:3", "5:0", "-1:4", "3:"):
         with pytest.raises(ConfigError, match="--trace-steps"):
             serve_cli._trace_window(bad)
+
+
+def test_serve_checks_the_port_and_the_l3_path_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    import socket
+
+    import hicache.engine.builder as builder
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port and the L3 path were checked")
+
+    monkeypatch.setattr(builder, "build_engine", no_model)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        code = main(["serve", "--config", "configs/default.yaml", "--model", "random:tiny", "--port", str(port),
+                     "--no-l3"])
+        assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    finally:
+        busy.close()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code = main(["serve", "--config", "configs/default.yaml", "--model", "random:tiny", "--port", str(port),
+                 "--l3-path", str(afile)])  # the port is free again
+    err = capsys.readouterr().err
+    assert code == 2 and "L3 store error" in err and "not a directory" in err

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache.server.app import create_app
 
     trace = _trace_window(args.trace_steps) if args.trace_gpu else None
+    sock = preflight(cfg)  # a busy port or a bad L3 path fails now, not after the model has loaded
     built = build_engine(cfg)
     if trace is not None:
         built.trace_gpu(args.trace_gpu, *trace)
@@ -163,7 +165,35 @@ def run(args: argparse.Namespace) -> int:
                                 timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
         logger.info("serving %s on http://%s:%d (auth %s)", cfg.model.name, s.host, s.port,
                     "on" if s.api_key else "off")
-        _Server(config).run()
+        _Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         engine.shutdown()  # already done by the app's shutdown unless startup failed
     return 0
+
+
+def preflight(cfg: Any) -> socket.socket:
+    """What can fail in seconds is checked before the model loads (which can take minutes): the listening socket
+    (bound here and handed to uvicorn, so nobody takes the port meanwhile) and the L3 store's directory (exists or
+    can be created, writable, no other writer). ConfigError / L3Error name what is wrong."""
+    s = cfg.server
+    family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((s.host, s.port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"server: cannot listen on {s.host}:{s.port}: {e.strerror or e} (--host / --port)") from None
+    sock.set_inheritable(True)
+    path = cfg.cache.l3.path
+    if path:
+        from tiers.l3.lockfile import WriterLock, prepare_directory
+
+        try:
+            prepare_directory(os.path.abspath(path), read_only=False)
+            WriterLock(os.path.abspath(path)).release()  # only a probe: the store takes the lock itself
+        except OSError:
+            sock.close()
+            raise
+    return sock
