@@ -131,7 +131,9 @@ def gguf_tokenizer(reader: Any) -> Tokenizer:
 def convert_gguf(gguf_path: Path, out_dir: Path, name: str, revision: str) -> None:
     """Write model.safetensors, config.json, tokenizer files and hicache.json for `gguf_path` to `out_dir`.
 
-    Writes into a temporary sibling directory and renames it into place, so a crash leaves no partial cache.
+    Writes into a temporary sibling directory and renames it into place, so a crash leaves no partial cache. An
+    `out_dir` that exists meanwhile (another process converted the same file) is kept and the copy dropped: the
+    directory a reader may be using is never removed.
     """
     from gguf import GGUFReader
 
@@ -151,9 +153,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, name: str, revision: str) -> No
             "revision": revision,
         }
         (tmp / "hicache.json").write_text(json.dumps(meta, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:  # out_dir appeared: another conversion of the same content won
+            if not (out_dir / "hicache.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -76,23 +76,20 @@ def smollm2_gguf_path() -> Path:
 
 
 def smollm2_dir() -> Path:
-    """The converted SmolLM2 directory in the cache, converting the GGUF first if needed."""
+    """The converted SmolLM2 directory in the cache, converting the GGUF first if needed.
+
+    The directory is named by the GGUF's content (its sha256) and the conversion format, not by where the file
+    is: two checkouts (or virtual environments) with the same file share one conversion, ones with different
+    files never overwrite each other's, and a conversion lands by an atomic rename (convert_gguf), so a reader
+    never sees the directory missing or half written."""
     gguf_path = smollm2_gguf_path()
-    out_dir = cache_dir() / "models" / DEFAULT_MODEL
-    stat = gguf_path.stat()
-    source_key = {"source": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    sha = file_sha256(gguf_path)
+    out_dir = cache_dir() / "models" / f"{DEFAULT_MODEL}-v{FORMAT_VERSION}-{sha[:16]}"
     meta_path = out_dir / "hicache.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format_version") == FORMAT_VERSION and meta.get("source_key") == source_key:
-            return out_dir
-        logger.info("cached conversion at %s is stale; converting again", out_dir)
-    logger.warning("converting %s to safetensors in %s (first use only)", gguf_path, out_dir)
-    revision = "sha256-" + file_sha256(gguf_path)
-    convert_gguf(gguf_path, out_dir, DEFAULT_MODEL, revision)
-    meta = json.loads(meta_path.read_text())
-    meta["source_key"] = source_key
-    meta_path.write_text(json.dumps(meta, indent=2))
+    if meta_path.is_file() and json.loads(meta_path.read_text()).get("revision") == "sha256-" + sha:
+        return out_dir
+    logger.warning("converting %s to safetensors in %s (first use of this file only)", gguf_path, out_dir)
+    convert_gguf(gguf_path, out_dir, DEFAULT_MODEL, "sha256-" + sha)
     return out_dir
 
 

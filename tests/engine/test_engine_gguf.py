@@ -67,3 +67,33 @@ def test_smollm2_batched_greedy_equals_single(smollm2) -> None:
     batched = generate(model, prompts, max_new_tokens=3)
     singles = [generate(model, [p], max_new_tokens=3)[0] for p in prompts]
     assert batched == singles
+
+
+def test_the_converted_model_is_keyed_by_content_not_by_path(tmp_path, monkeypatch):
+    """Two checkouts with the same GGUF share one conversion; a different GGUF gets its own directory and leaves
+    the first in place."""
+    import json
+
+    from hicache.engine import weights
+
+    conversions = []
+
+    def fake_convert(gguf_path, out_dir, name, revision):
+        conversions.append(gguf_path)
+        out_dir.mkdir(parents=True)
+        (out_dir / "hicache.json").write_text(json.dumps({"revision": revision}))
+
+    monkeypatch.setenv("HICACHE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(weights, "convert_gguf", fake_convert)
+    first, same, other = tmp_path / "a.gguf", tmp_path / "checkout2" / "a.gguf", tmp_path / "b.gguf"
+    same.parent.mkdir()
+    first.write_bytes(b"gguf-one" * 1000)
+    same.write_bytes(b"gguf-one" * 1000)
+    other.write_bytes(b"gguf-two" * 1000)
+    paths = {}
+    for name, path in (("first", first), ("again", first), ("same", same), ("other", other)):
+        monkeypatch.setattr(weights, "smollm2_gguf_path", lambda path=path: path)
+        paths[name] = weights.smollm2_dir()
+    assert paths["first"] == paths["again"] == paths["same"] != paths["other"]
+    assert conversions == [first, other]  # the copy in another checkout was not converted again
+    assert all(p.is_dir() for p in paths.values())
