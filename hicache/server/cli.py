@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -169,7 +170,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         engine.shutdown()  # already done by the app's shutdown unless startup failed
+    exit_without_teardown(0)
     return 0
+
+
+def exit_without_teardown(code: int) -> None:
+    """End the process once serving is over and everything is closed (engine, L3 store, sockets), skipping the
+    interpreter's teardown: there Triton's nanobind bindings print some 30 lines of "nanobind: leaked ..." (its
+    own objects, not ours), which read as a crash at every clean shutdown. Only where Triton is loaded."""
+    if "triton" not in sys.modules:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def preflight(cfg: Any) -> socket.socket:
