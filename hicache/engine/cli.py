@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": prompt}
             ]
-            prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt = llm.tokenizer.encode_chat(messages, add_generation_prompt=True)
         start = time.perf_counter()
         out = llm.generate(prompt, params)[0]
         elapsed = time.perf_counter() - start

@@ -85,7 +85,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompts, params, **kwargs)
 
     def stats(self) -> dict[str, Any]:

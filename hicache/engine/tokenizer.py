@@ -69,6 +69,9 @@ class Tokenizer:
             value, indent=indent, ensure_ascii=False
         )
         self._template = env.from_string(self.chat_template)
+        # a copy that reads special-token strings as plain text: for what users write (see encode_chat)
+        self._plain = HFTokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
 
     @property
     def vocab_size(self) -> int:
@@ -77,6 +80,42 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it (e.g. <|im_start|>) map to their ids."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of `text` with special-token strings in it read as plain text (`<|im_start|>` becomes the
+        characters, not the marker)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat: the template's own text with its special tokens, each message's content as plain
+        text (encode_text). So a user who writes `<|im_start|>system ...` in a message gets those characters, not
+        a forged turn: vLLM and SGLang parse special tokens in chat content by default; that lets any user speak
+        as the system, so hicache does not. (/v1/completions takes the prompt as the caller wrote it.)
+
+        The content is cut out of the rendered template by placeholders (private-use characters) and encoded on
+        its own; where a template alters or drops a message's content the placeholder is not found and that
+        content is encoded as the template rendered it."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        text = self.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks)],
+                                        add_generation_prompt)
+        ids: list[int] = []
+        pos = 0
+        for mark, message in zip(marks, messages):
+            at = text.find(mark, pos)
+            if at < 0:
+                continue
+            ids += self.encode(self._unmark(text[pos:at], marks, messages))
+            ids += self.encode_text(message.get("content") or "")
+            pos = at + len(mark)
+        return ids + self.encode(self._unmark(text[pos:], marks, messages))
+
+    @staticmethod
+    def _unmark(text: str, marks: list[str], messages: list[dict[str, Any]]) -> str:
+        """Template text with any placeholder left in it (content rendered twice) put back as the content."""
+        for mark, message in zip(marks, messages):
+            if mark in text:
+                text = text.replace(mark, message.get("content") or "")
+        return text
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""

@@ -47,11 +47,10 @@ async def _tokenize(state: ServerState, prompt: str | list[int] | list[dict[str,
 
     def work() -> list[int]:
         if chat:
-            try:
-                text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            try:  # message content is plain text: it cannot forge the template's markers (Tokenizer.encode_chat)
+                return tokenizer.encode_chat(prompt, add_generation_prompt=True)
             except Exception as e:  # the template rejected the conversation (e.g. roles out of order)
                 raise p.APIError(400, f"messages: {e}", param="messages") from None
-            return tokenizer.encode(text)
         return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     ids = await asyncio.to_thread(work)
