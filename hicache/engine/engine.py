@@ -196,6 +196,9 @@ class Engine:
                 return outputs
         first_tokens = 0
         for (_, req), token in zip(done, tokens):
+            if isinstance(token, Exception):
+                outputs.extend(self._fail([(req, 0)], token))
+                continue
             first_tokens += req.num_output == 0
             self._append(req, token)
             outputs.append(self._output(req))
@@ -215,12 +218,23 @@ class Engine:
             outputs.append(self._output(req))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, done: list[tuple[int, Request]]) -> list[int]:
-        """The next token of each request whose prompt is computed (rows of `logits`), on the host."""
+    def _sample(self, logits: torch.Tensor, done: list[tuple[int, Request]]) -> list[int | Exception]:
+        """The next token of each request whose prompt is computed (rows of `logits`), on the host. Sampling is
+        where a request's own parameters act: if the batch raises, each row is sampled alone, so that a row that
+        still raises gets its exception in place of a token and the others go on."""
         if not done:
             return []
         rows, reqs = [i for i, _ in done], [req for _, req in done]
-        chosen = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs])
+        try:
+            chosen = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs])
+        except Exception:  # noqa: BLE001 - find the row: one request's parameters must not fail the others
+            out: list[int | Exception] = []
+            for row, req in done:
+                try:
+                    out += self._download(sample(logits[[row]], [req.params], [req.generator]))
+                except Exception as e:  # noqa: BLE001
+                    out.append(e)
+            return out
         return self._download(chosen)
 
     def _forward(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:

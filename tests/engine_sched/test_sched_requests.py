@@ -372,3 +372,28 @@ def test_every_forward_input_is_16_byte_aligned(tiny, monkeypatch):
         views = [b.input_ids, b.positions, b.out_slots, *b.page_tables, b.decode_rows, b.decode_lens, b.last_rows]
         assert all(v.data_ptr() % 16 == 0 for v in views), [v.data_ptr() % 16 for v in views]
     assert any(t.numel() % 2 for b in seen for t in b.page_tables)  # odd lengths occurred, so padding mattered
+
+
+def test_a_request_whose_sampling_raises_fails_alone(tiny, monkeypatch):
+    """A request's own sampling parameters fail at sampling: that request ends with an error, the others in the same
+    step carry on to their tokens, and the engine goes on."""
+    from hicache.engine import engine as engine_module
+
+    engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=512)
+    real = engine_module.sample
+
+    def picky(logits, params, generators=None):
+        if any(p.seed == 13 for p in params):
+            raise RuntimeError("bad parameters")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(engine_module, "sample", picky)
+    good = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("good", prompt(1, 9), good)
+    engine.add_request("bad", prompt(2, 9), SamplingParams(temperature=1.0, seed=13, max_tokens=3, ignore_eos=True))
+    results = run_all(engine)
+    assert results["bad"][2].finish_reason == "error" and "bad parameters" in results["bad"][2].error
+    assert results["good"][2].finish_reason == "length" and len(results["good"][0]) == 3
+    engine.add_request("after", prompt(3, 9), good)
+    assert run_all(engine)["after"][2].finish_reason == "length"
+    assert_no_leaks(engine)
