@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -202,6 +203,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch  # here, not at the top: sizing tiers (the replay tool) needs no torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)

@@ -64,3 +64,11 @@ def test_radix_imports_without_torch():
     code = "import sys, radix; radix.RadixTree(4); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_command_line_and_the_replay_path_import_no_torch():
+    """`hicache --help`, input errors and `hicache replay` need no torch: it takes seconds to import."""
+    code = ("import sys; from hicache.cli import build_parser; build_parser(); import hicache.replay.core, "
+            "hicache.replay.cli; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

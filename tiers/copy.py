@@ -9,12 +9,11 @@ and starts them when told to, once the engine has queued its forward step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from tiers.device_pool import DevicePool
-from tiers.host_pool import HostPool
+if TYPE_CHECKING:  # the pools (and torch) load only where a copier is made
+    from tiers.device_pool import DevicePool
+    from tiers.host_pool import HostPool
 
 
 class TransferHandle(Protocol):
@@ -156,6 +155,8 @@ class LaunchLater:
 
 def make_copier(device_pool: DevicePool, host_pool: HostPool) -> PageCopier:
     """The fastest copier for these pools: the CUDA stream copier on GPU, the reference one on CPU."""
+    import torch
+
     if device_pool.device.type == "cuda" and torch.cuda.is_available():
         from tiers.cuda_copy import CudaPageCopier
 

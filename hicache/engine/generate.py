@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from hicache.engine.model import ForwardBatch, LlamaModel
-from hicache.engine.sampling import SamplerParams, make_generator, sample
+from hicache.engine.params import SamplerParams
+from hicache.engine.sampling import make_generator, sample
 
 
 def allocate_kv(model: LlamaModel, num_pages: int, page_size: int) -> Tensor:

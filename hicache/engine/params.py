@@ -1,16 +1,55 @@
-"""Per-request generation parameters: the sampler's knobs plus when to stop."""
+"""Per-request generation parameters: the sampler's knobs (SamplerParams) plus when to stop. No torch here: the
+HTTP edge and the command line build them without it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hicache.engine import sampling
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM draws the same line)
 
 
 @dataclass(frozen=True)
-class SamplingParams(sampling.SamplerParams):
-    """How one request samples and when it stops; usable wherever `sampling.SamplerParams` is.
+class SamplerParams:
+    """How one request picks its next token. temperature 0 is greedy; top_k -1 and top_p 1 disable them.
+
+    Invalid values raise ValueError naming the parameter.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if (
+            not isinstance(self.top_k, int)
+            or isinstance(self.top_k, bool)
+            or self.top_k < -1
+            or self.top_k == 0
+        ):
+            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
+        ):
+            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """temperature 0 (or below GREEDY_BELOW, where logits / temperature overflow to garbage) or top_k 1."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class SamplingParams(SamplerParams):
+    """How one request samples and when it stops; usable wherever `SamplerParams` is.
 
     max_tokens None means the scheduler's default_max_tokens; `stop` strings end generation when the
     decoded text contains one (the stop string itself is trimmed); `stop_token_ids` (and the model's
@@ -38,10 +77,10 @@ class SamplingParams(sampling.SamplerParams):
             raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
 
     @classmethod
-    def of(cls, params: sampling.SamplerParams | dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:
+    def of(cls, params: SamplerParams | dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:
         """Coerce `params` (ours, the sampler's, a dict or None) plus keyword overrides into SamplingParams."""
         values: dict[str, Any] = {}
-        if isinstance(params, sampling.SamplerParams):
+        if isinstance(params, SamplerParams):
             values = {f.name: getattr(params, f.name) for f in fields(params)}
         elif isinstance(params, dict):
             values = dict(params)

@@ -2,50 +2,10 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM draws the same line)
-
-
-@dataclass(frozen=True)
-class SamplerParams:
-    """How one request picks its next token. temperature 0 is greedy; top_k -1 and top_p 1 disable them.
-
-    Invalid values raise ValueError naming the parameter.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if (
-            not isinstance(self.top_k, int)
-            or isinstance(self.top_k, bool)
-            or self.top_k < -1
-            or self.top_k == 0
-        ):
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
-        ):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """temperature 0 (or below GREEDY_BELOW, where logits / temperature overflow to garbage) or top_k 1."""
-        return self.temperature < GREEDY_BELOW or self.top_k == 1
+from hicache.engine.params import SamplerParams
 
 
 def make_generator(params: SamplerParams, device: torch.device) -> torch.Generator | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.engine.sampling import SamplerParams, make_generator, sample
+from hicache.engine.params import SamplerParams
+from hicache.engine.sampling import make_generator, sample
 
 
 def _logits(batch: int = 4, vocab: int = 50) -> torch.Tensor:
