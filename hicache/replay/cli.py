@@ -160,6 +160,9 @@ def _sweep_table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
+BAD_LINES_MAX_FRACTION = 0.01  # more bad lines than this share of the trace: no report, an error
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `hicache replay`; 0 on success, 2 on bad input."""
     try:
@@ -179,6 +182,11 @@ def run(args: argparse.Namespace) -> int:
         shown = "; ".join(f"line {n}: {why}" for n, why in trace.bad_lines[:5])
         print(f"hicache replay: skipped {len(trace.bad_lines)} bad line(s): {shown}"
               + (" ..." if len(trace.bad_lines) > 5 else ""), file=sys.stderr)
+        total = len(trace.bad_lines) + len(trace.records)
+        if len(trace.bad_lines) > BAD_LINES_MAX_FRACTION * total:
+            return _error(f"{args.trace}: {len(trace.bad_lines)} of {total} lines are bad "
+                          f"({len(trace.bad_lines) / total:.0%}, more than {BAD_LINES_MAX_FRACTION:.0%}): a report "
+                          "on the rest would mislead (is --block-tokens right for this trace?)")
     if args.limit is not None:
         trace.records = trace.records[: max(0, args.limit)]
     progress = not args.no_progress

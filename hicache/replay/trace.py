@@ -17,9 +17,10 @@ ceil(input_length / block_tokens) ids (the last block usually partial); both len
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,20 @@ def _int(obj: dict, name: str, minimum: int = 0) -> int:
     return v
 
 
+MAX_LINE_BYTES = 16 << 20  # a longer line is bad input: refused without reading it into memory whole
+TOKEN_ID_LIMIT = 1 << 62  # hash ids in [0, 2^62) are the blocks' tokens as they are
+
+
+def _block_token(value: int | str) -> int:
+    """The radix-tree token of a block's hash id: small non-negative integers as they are; strings and integers
+    outside [0, 2^62) (negative, or up to any size) a 62-bit hash of their text, with bit 62 set, so that they never
+    equal a small id and still fit the tree's int64 page keys. Equal ids give equal tokens."""
+    if isinstance(value, int) and 0 <= value < TOKEN_ID_LIMIT:
+        return value
+    digest = hashlib.blake2b(f"{type(value).__name__}:{value}".encode(), digest_size=8).digest()
+    return TOKEN_ID_LIMIT | (int.from_bytes(digest, "little") & (TOKEN_ID_LIMIT - 1))
+
+
 def _parse(obj: Any, fmt: str, block_tokens: int) -> TraceRecord:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
@@ -132,7 +147,7 @@ def _parse(obj: Any, fmt: str, block_tokens: int) -> TraceRecord:
     if len(ids) not in (full, ceil):
         raise ValueError(f"{len(ids)} hash_ids for input_length {input_length} at {block_tokens} tokens per "
                          f"block (want {full}" + (f" or {ceil})" if ceil != full else ")"))
-    rec = TraceRecord(float(ts), input_length, output_length, ids, 0)
+    rec = TraceRecord(float(ts), input_length, output_length, [_block_token(i) for i in ids], 0)
     if fmt == TRACE_LOG:
         bt = _int(obj, "block_tokens", 1)
         if bt != block_tokens:
@@ -157,6 +172,12 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>", block_tokens: int |
     trace: Trace | None = None
     pending_bad: list[tuple[int, str]] = []
     for lineno, text in enumerate(lines, 1):
+        if isinstance(text, _LineTooLong):
+            reason = f"line longer than {MAX_LINE_BYTES} bytes"
+            if strict:
+                raise TraceError(f"{path}:{lineno}: {reason}")
+            pending_bad.append((lineno, reason))
+            continue
         if not text.strip():
             continue
         try:
@@ -192,11 +213,30 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>", block_tokens: int |
     return trace
 
 
+class _LineTooLong(str):
+    """A line past MAX_LINE_BYTES, read no further than that: the parser reports it as a bad line."""
+
+
+def _bounded_lines(f: Any) -> Iterator[str]:
+    """The file's lines, none held longer than MAX_LINE_BYTES: a longer one is skipped in pieces and given as a
+    marker, so a file with no newline does not end up whole in memory."""
+    while True:
+        line = f.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES and not line.endswith("\n"):
+            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith("\n"):
+                pass
+            yield _LineTooLong("")
+            continue
+        yield line
+
+
 def read_trace(path: str | Path, block_tokens: int | None = None, strict: bool = False) -> Trace:
     """Read a Mooncake or trace-log JSONL file (see `parse_lines`); TraceError if unreadable."""
     try:
         with open(path, encoding="utf-8") as f:
-            return parse_lines(f, str(path), block_tokens, strict)
+            return parse_lines(_bounded_lines(f), str(path), block_tokens, strict)
     except OSError as e:
         raise TraceError(f"{path}: cannot read trace: {e.strerror or e}") from None
     except UnicodeDecodeError as e:

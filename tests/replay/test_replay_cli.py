@@ -111,3 +111,50 @@ def test_sample_trace_ideal_and_single_pool_lru() -> None:
             assert round(t.hit_tokens["device"] / t.tokens, 3) == 0.651
     reuse = stack_depths(trace.records)
     assert round(reuse.hits_within(10_000) / trace.blocks, 3) == 0.424
+
+
+def _lines(path, records):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_string_and_huge_hash_ids_replay_like_small_ones(tmp_path, capsys):
+    from hicache.cli import main
+
+    def rec(i, ids):
+        return {"timestamp": i, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}
+
+    small = _lines(tmp_path / "small.jsonl", [rec(i, [1, 2 + i % 2]) for i in range(10)])
+    strings = _lines(tmp_path / "strings.jsonl", [rec(i, ["a", f"b{i % 2}"]) for i in range(10)])
+    huge = _lines(tmp_path / "huge.jsonl", [rec(i, [2**63 + 1, 2**80 + i % 2]) for i in range(10)])
+    out = {}
+    for name, path in (("small", small), ("strings", strings), ("huge", huge)):
+        assert main(["replay", str(path), "--no-progress", "--json", str(tmp_path / f"{name}.json")]) == 0
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())["hit_blocks"]
+    assert out["small"] == out["strings"] == out["huge"] and sum(out["small"].values()) > 0
+    capsys.readouterr()
+
+
+def test_a_trace_mostly_skipped_is_an_error_not_a_report(tmp_path, capsys):
+    from hicache.cli import main
+
+    # at 64 tokens a block, 2 ids fit a 128-token prompt, not a 1,024-token one: 45 of 50 lines are bad
+    records = [{"timestamp": i, "input_length": 128 if i % 10 == 0 else 1024, "output_length": 1,
+                "hash_ids": [1, 2]} for i in range(50)]
+    path = _lines(tmp_path / "t.jsonl", records)
+    assert main(["replay", str(path), "--block-tokens", "64", "--no-progress"]) == 2
+    assert "45 of 50 lines are bad" in capsys.readouterr().err
+
+
+def test_a_line_longer_than_the_bound_is_a_bad_line_read_in_pieces(tmp_path, monkeypatch):
+    from hicache.replay import trace as trace_module
+
+    monkeypatch.setattr(trace_module, "MAX_LINE_BYTES", 1000)
+    good = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}\n'
+    path = tmp_path / "t.jsonl"
+    path.write_text(good + "x" * 5000 + "\n" + good + "y" * 3000)  # the last line has no newline at all
+    t = trace_module.read_trace(path)
+    assert len(t.records) == 2 and [n for n, _ in t.bad_lines] == [2, 4]
+    assert all("longer than 1000 bytes" in why for _, why in t.bad_lines)
