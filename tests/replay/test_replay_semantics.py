@@ -186,3 +186,19 @@ def test_lrfu_keeps_conversations_that_lru_evicts_just_before_they_return() -> N
     memory = {p: h["device"] + h["host"] for p, h in hits.items()}
     assert memory["lrfu"] >= 2 * max(1, memory["lru"])
     assert sum(hits["lrfu"].values()) == sum(hits["lru"].values())  # the disk holds it all: same total hits
+
+
+def test_a_request_longer_than_the_l3_write_queue_reaches_the_disk_whole():
+    """A 5,000-block prompt is one node, larger than the L3 worker's 4,096-page queue: it is written in parts, so
+    when memory has forgotten it every block comes back from disk (it used to be refused whole and lost)."""
+    setup = ReplaySetup(4, 6000, 6000, 20000, block_bytes=64, write_policy=WRITE_THROUGH)
+    rep = Replayer(setup)
+    long = list(range(1, 5001))
+    rep.step(TraceRecord(0.0, len(long) * 4, 1, long, 1))
+    assert rep.store.pages_written == 5000
+    for i in range(2, 4):  # 12,000 other blocks: the long prompt leaves GPU and host
+        ids = list(range(i * 100_000, i * 100_000 + 6000))
+        rep.step(TraceRecord(float(i), len(ids) * 4, 1, ids, i))
+    out = rep.step(TraceRecord(9.0, len(long) * 4, 1, long, 9))
+    assert out.hit_blocks.get("disk", 0) == 5000
+    rep.check_integrity()
