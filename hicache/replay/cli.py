@@ -39,8 +39,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     for tier in TIERS:
         note = "at least one block" if tier == DEVICE else "0 disables it"
         p.add_argument(f"--{tier}-tokens", type=int, metavar="N", help=f"{tier} tier capacity in tokens ({note})")
+    p.add_argument("--policy", choices=sorted(POLICY_PRESETS),
+                   help="a preset of the write, eviction and admission policies (default: those of --config, or of "
+                        "the server's default config); flags below override it. lru-inclusive: the textbook model, "
+                        "every block written through to every tier at once, LRU everywhere")
     p.add_argument("--write-device-to-host", choices=WRITE_POLICIES, help="GPU -> host write policy")
     p.add_argument("--write-host-to-disk", choices=WRITE_POLICIES, help="host -> disk write policy")
+    p.add_argument("--defer-above-free", type=float,
+                   help="GPU -> host write-through waits while more than this share of the GPU tier is free (1.0: "
+                        "copy at once)")
     p.add_argument("--selective-hits", type=int, help="hits before write_through_selective copies a block down")
     p.add_argument("--eviction-policy", choices=sorted(EVICTION_POLICIES))
     p.add_argument("--admission-hits", type=int, help="disk admission: write a block after this many attempts")
@@ -76,6 +83,14 @@ def kv_bytes_per_token(args: argparse.Namespace, cfg: Any) -> int:
     return model_shape(cfg.model.name).kv_bytes_per_token(dtype)
 
 
+# named policy sets for --policy; what a preset leaves out comes from the config
+POLICY_PRESETS: dict[str, dict[str, Any]] = {
+    "lru-inclusive": {"device_to_host": "write_through", "host_to_disk": "write_through", "defer_above_free": 1.0,
+                      "eviction_policy": "lru", "admission_hits": 0},
+    "server": {},  # the config's own (the server's default config without --config)
+}
+
+
 def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_token: int,
                tokens: dict[str, int | None]) -> ReplaySetup:
     """Tier sizes in blocks (flags or sweep values in tokens over the config) and the policies."""
@@ -94,14 +109,19 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
     except ConfigError as e:
         raise ReplayError(f"{e} (block = {block_tokens} tokens)") from None
     wp = cfg.cache.write_policy
-    policy = WritePolicy(args.write_device_to_host or wp.device_to_host, args.write_host_to_disk or wp.host_to_disk,
-                         args.selective_hits or wp.selective_hits, wp.defer_above_free)
+    preset = POLICY_PRESETS.get(args.policy or "", {})
+    defer = preset.get("defer_above_free", wp.defer_above_free) if args.defer_above_free is None else \
+        args.defer_above_free
+    policy = WritePolicy(args.write_device_to_host or preset.get("device_to_host", wp.device_to_host),
+                         args.write_host_to_disk or preset.get("host_to_disk", wp.host_to_disk),
+                         args.selective_hits or wp.selective_hits, defer)
     lp = cfg.cache.load_policy
     gbps = lambda flag, conf: (flag or conf) and (flag or conf) * 1e9  # noqa: E731
     return ReplaySetup(
         block_tokens, sizes.device_pages, sizes.host_pages, sizes.disk_pages, kv_per_token * block_tokens, policy,
-        args.eviction_policy or cfg.cache.eviction_policy,
-        cfg.cache.l3.admission_hits if args.admission_hits is None else args.admission_hits,
+        args.eviction_policy or preset.get("eviction_policy", cfg.cache.eviction_policy),
+        preset.get("admission_hits", cfg.cache.l3.admission_hits) if args.admission_hits is None else
+        args.admission_hits,
         args.load_mode, args.prefill_tokens_per_s or lp.prefill_tokens_per_s,
         gbps(args.host_to_device_gbps, lp.host_to_device_gbps), gbps(args.disk_to_device_gbps, lp.disk_to_device_gbps),
     )

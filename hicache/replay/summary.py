@@ -104,6 +104,7 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
         "policies": {"device_to_host": setup.write_policy.device_to_host,
                      "host_to_disk": setup.write_policy.host_to_disk,
                      "selective_hits": setup.write_policy.selective_hits,
+                     "defer_above_free": setup.write_policy.defer_above_free,
                      "eviction": setup.eviction_policy, "admission_hits": setup.admission_hits,
                      "load_mode": setup.load_mode},
         "block_tokens": setup.block_tokens,
@@ -168,7 +169,10 @@ def format_table(s: dict[str, Any], title: str) -> str:
         f"{k} {v['blocks']:,} blocks ({v['tokens']:,} tokens, {_gib(v['bytes'])})" if v["blocks"] else f"{k} off"
         for k, v in tiers.items()))
     p = s["policies"]
-    lines.append(f"policies: GPU->host {p['device_to_host']}, host->disk {p['host_to_disk']}, "
+    defer = p.get("defer_above_free", 1.0)
+    deferred = f" (deferred while > {defer:.0%} of the GPU is free)" if (
+        p["device_to_host"] == "write_through" and defer < 1.0) else ""
+    lines.append(f"policies: GPU->host {p['device_to_host']}{deferred}, host->disk {p['host_to_disk']}, "
                  f"eviction {p['eviction']}, admission {p['admission_hits']}, load {p['load_mode']}")
     lines.append("")
     pt = s["prefill_time"]

@@ -202,3 +202,33 @@ def test_a_request_longer_than_the_l3_write_queue_reaches_the_disk_whole():
     out = rep.step(TraceRecord(9.0, len(long) * 4, 1, long, 9))
     assert out.hit_blocks.get("disk", 0) == 5000
     rep.check_integrity()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_lru_inclusive_preset_agrees_with_the_reference_block_for_block(tmp_path, seed):
+    """`hicache replay --policy lru-inclusive` (the command, not the library) against the independent inclusive LRU."""
+    import json
+    import random
+
+    from hicache.cli import main
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 10**6) for _ in range(rng.randrange(2, 12))] for _ in range(6)]
+    traces = [rng.choice(prefixes)[: rng.randrange(1, 12)] + [rng.randrange(10**6, 2 * 10**6)
+                                                          for _ in range(rng.randrange(0, 4))] for _ in range(80)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": i, "input_length": len(ids) * 512, "output_length": 1,
+                                        "hash_ids": ids}) + "\n" for i, ids in enumerate(traces)))
+    caps = {"device": 12, "host": 24, "disk": 60}
+    out = tmp_path / "r.json"
+    assert main(["replay", str(path), "--policy", "lru-inclusive", "--device-tokens", str(caps["device"] * 512),
+                 "--host-tokens", str(caps["host"] * 512), "--disk-tokens", str(caps["disk"] * 512),
+                 "--kv-bytes-per-token", "64", "--no-progress", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    ref = ReferenceLRU(caps)
+    want = {t: 0 for t in TIERS}
+    for ids in traces:
+        for tier in ref.request(ids):
+            want[tier] += 1
+    assert got["hit_blocks"] == want
+    assert got["policies"]["host_to_disk"] == "write_through" and got["policies"]["defer_above_free"] == 1.0
