@@ -18,7 +18,7 @@ from hicache.replay.core import Replayer, ReplayError, ReplaySetup
 from hicache.replay.reuse import ReuseProfile, stack_depths
 from hicache.replay.summary import CostInputs, format_table, summarize
 from hicache.replay.sweep import parse_sweep, plot_sweep, run_sweep
-from hicache.replay.trace import TRACE_LOG, Trace, TraceError, read_trace
+from hicache.replay.trace import TRACE_LOG, Trace, TraceError, is_agent_trace, read_agent_sessions, read_trace
 from radix import DEVICE, EVICTION_POLICIES, TIERS
 
 # Cost-model values used when neither a flag nor the config gives one (reported as assumed).
@@ -32,7 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="replay a request trace offline: hits per tier, disk traffic, disk sizing",
                        description="Replay a Mooncake JSONL trace or a hicache --trace-log file through the real "
                                    "radix tree and tier controller (metadata only, no KV bytes).")
-    p.add_argument("trace", help="trace file (JSON lines; the format is detected)")
+    p.add_argument("trace", help="trace: Mooncake JSONL, a server --trace-log, or coding-agent session JSON (one file "
+                                 "or a directory of them); the format is detected")
+    p.add_argument("--session-offset-s", type=float, default=0.0,
+                   help="agent sessions: session k starts k times this many seconds in (default 0: all at once, "
+                        "their requests interleaved by their own times)")
     p.add_argument("--config", help="YAML config: tier sizes, policies, model (for KV bytes per token)")
     p.add_argument("--block-tokens", type=int, help="tokens per hash_ids block (Mooncake: 512; a trace log "
                                                     "carries its own)")
@@ -192,7 +196,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--plot needs --sweep")
         if args.block_tokens is not None and args.block_tokens < 1:
             raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")
-        trace = read_trace(args.trace, args.block_tokens, args.strict)
+        if is_agent_trace(args.trace):
+            trace = read_agent_sessions([args.trace], args.session_offset_s)
+        else:
+            trace = read_trace(args.trace, args.block_tokens, args.strict)
         kv = kv_bytes_per_token(args, cfg)
         flags = {"device": args.device_tokens, "host": args.host_tokens, "disk": args.disk_tokens}
         base = make_setup(args, cfg, trace.block_tokens, kv, flags) if not grid else None

@@ -213,6 +213,73 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>", block_tokens: int |
     return trace
 
 
+AGENT = "agent"  # coding-agent session JSON (../shared/traces/agent/): one session per file
+
+
+def _agent_requests(obj: dict, scope: str, start_s: float, where: str, out: list[TraceRecord]) -> None:
+    """A session's requests (sub-agents flattened in, same id scope) as records at start_s + their own `t`."""
+    requests = obj.get("requests")
+    if not isinstance(requests, list):
+        raise TraceError(f"{where}: `requests` must be a list")
+    for i, r in enumerate(requests):
+        if not isinstance(r, dict):
+            raise TraceError(f"{where}: request {i} is not an object")
+        if r.get("type") == "subagent":
+            _agent_requests(r, scope, start_s, f"{where} sub-agent {i}", out)
+            continue
+        ids, n_in, n_out, t = r.get("hash_ids"), r.get("in"), r.get("out"), r.get("t", 0.0)
+        if (not isinstance(ids, list) or isinstance(n_in, bool) or not isinstance(n_in, int) or n_in < 1
+                or isinstance(t, bool) or not isinstance(t, (int, float))):
+            raise TraceError(f"{where}: request {i} needs `in` >= 1, `t` and a `hash_ids` list")
+        out.append(TraceRecord((start_s + float(t)) * 1e3, n_in, n_out if isinstance(n_out, int) else 0,
+                               [_block_token(f"{scope}:{h}") for h in ids], i + 1))
+
+
+def read_agent_sessions(paths: Sequence[str | Path], offset_s: float = 0.0) -> Trace:
+    """Agent-session JSON files (or directories of them) as one trace: session k starts at k * offset_s seconds
+    (0: all at once), its requests at their own `t` after that, all of them in time order; hash ids are unique per
+    session (scope: the file's `id`, or its name) unless the file says `hash_id_scope: global`. Sub-agents are
+    flattened into their session at their own times."""
+    files = []
+    for p in map(Path, paths):
+        files += sorted(f for f in p.iterdir() if f.suffix == ".json") if p.is_dir() else [p]
+    if not files:
+        raise TraceError(f"{', '.join(map(str, paths))}: no agent session files (.json)")
+    records: list[TraceRecord] = []
+    block_tokens = None
+    for k, f in enumerate(files):
+        try:
+            obj = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise TraceError(f"{f}: not an agent session file: {e}") from None
+        if not isinstance(obj, dict) or "requests" not in obj:
+            raise TraceError(f"{f}: not an agent session file (no `requests`)")
+        bt = obj.get("block_size", 64)
+        if block_tokens is None:
+            block_tokens = bt
+        elif bt != block_tokens:
+            raise TraceError(f"{f}: block_size {bt} differs from the other files' {block_tokens}")
+        scope = "global" if obj.get("hash_id_scope") == "global" else f"{k}:{obj.get('id') or f.stem}"
+        _agent_requests(obj, scope, k * offset_s, str(f), records)
+    records.sort(key=lambda r: r.timestamp_ms)
+    for line, rec in enumerate(records, 1):
+        rec.line = line
+    name = str(paths[0]) if len(paths) == 1 else f"{len(files)} agent sessions"
+    return Trace(name, AGENT, block_tokens, records)
+
+
+def is_agent_trace(path: str | Path) -> bool:
+    """A directory, or a .json file holding one JSON object with `requests` (not JSON lines)."""
+    p = Path(path)
+    if p.is_dir():
+        return True
+    if p.suffix != ".json" or not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        head = f.read(1 << 16).lstrip()
+    return head.startswith(b"{") and b'"requests"' in head
+
+
 class _LineTooLong(str):
     """A line past MAX_LINE_BYTES, read no further than that: the parser reports it as a bad line."""
 

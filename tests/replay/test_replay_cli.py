@@ -158,3 +158,37 @@ def test_a_line_longer_than_the_bound_is_a_bad_line_read_in_pieces(tmp_path, mon
     t = trace_module.read_trace(path)
     assert len(t.records) == 2 and [n for n, _ in t.bad_lines] == [2, 4]
     assert all("longer than 1000 bytes" in why for _, why in t.bad_lines)
+
+
+def _agent_file(path, ids_per_turn, sub=None):
+    requests = [{"t": float(i * 10), "in": 64 * len(ids), "out": 5, "hash_ids": ids}
+                for i, ids in enumerate(ids_per_turn)]
+    if sub is not None:
+        requests.insert(1, {"type": "subagent", "requests": [{"t": 5.0, "in": 64 * len(sub), "out": 1,
+                                                              "hash_ids": sub}]})
+    path.write_text(json.dumps({"id": path.stem, "block_size": 64, "hash_id_scope": "local", "requests": requests}))
+    return path
+
+
+def test_agent_sessions_replay_directly(tmp_path):
+    from hicache.replay.trace import is_agent_trace, read_agent_sessions
+
+    d = tmp_path / "agents"
+    d.mkdir()
+    _agent_file(d / "a.json", [[1, 2], [1, 2, 3]], sub=[1, 9])
+    _agent_file(d / "b.json", [[1, 2], [1, 2, 3]])  # the same ids in another session: other blocks
+    assert is_agent_trace(d) and is_agent_trace(d / "a.json") and not is_agent_trace(tmp_path / "none.jsonl")
+    t = read_agent_sessions([d])
+    assert t.format == "agent" and t.block_tokens == 64 and len(t.records) == 5  # the sub-agent's request included
+    assert [r.timestamp_ms for r in t.records] == sorted(r.timestamp_ms for r in t.records)
+    a_first, b_first = (r for r in t.records if r.timestamp_ms == 0.0)
+    assert a_first.hash_ids != b_first.hash_ids  # unique per session
+    sub = next(r for r in t.records if r.timestamp_ms == 5000.0)
+    assert sub.hash_ids[0] == a_first.hash_ids[0]  # a sub-agent shares its session's ids
+    offset = read_agent_sessions([d], offset_s=100.0)
+    assert max(r.timestamp_ms for r in offset.records) == 110_000.0
+    out = tmp_path / "r.json"
+    assert main(["replay", str(d), "--device-tokens", "4096", "--no-progress", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    # per session: turn 2 hits its 2 blocks of turn 1, the sub-agent its session's block 1; no hit across sessions
+    assert sum(got["hit_blocks"].values()) == 2 + 1 + 2
