@@ -8,6 +8,7 @@ import gc
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from controller import WritePolicy
@@ -253,7 +254,13 @@ def _replay(args: argparse.Namespace, cfg: Any, trace: Trace, kv: int, flags: di
         print(_sweep_table(points))
         result: dict[str, Any] = {"trace": info, "sweep": grid, "points": points}
         if args.plot:
-            plot_sweep(points, grid, args.plot)
+            setup = make_setup(args, cfg, trace.block_tokens, kv, flags)  # the sizes and policies held fixed
+            wp = setup.write_policy
+            policy = (f"GPU->host {wp.device_to_host}, host->disk {wp.host_to_disk}, eviction {setup.eviction_policy}"
+                      f", admission {setup.admission_hits}")
+            fixed = {t: n * trace.block_tokens for t, n in
+                     zip(TIERS, (setup.device_blocks, setup.host_blocks, setup.disk_blocks))}
+            plot_sweep(points, grid, args.plot, Path(trace.path).name, kv, fixed, policy)
             print(f"plot: {args.plot}")
     else:
         summary = replay_once(trace, base, reuse, args.bandwidth_window_ms, progress)

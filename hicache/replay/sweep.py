@@ -55,9 +55,16 @@ def run_sweep(grid: dict[str, list[int]], replay_point: Callable[[dict[str, int]
     return points
 
 
-def plot_sweep(points: list[dict], grid: dict[str, list[int]], path: str) -> None:
-    """PNG of hit rate per tier (and total) against the last swept tier's capacity, one panel per
-    combination of the other swept sizes."""
+def _gib(tokens: int, kv_bytes_per_token: int) -> str:
+    return f"{tokens * kv_bytes_per_token / 2**30:,.1f} GiB" if kv_bytes_per_token else f"{tokens:,} tokens"
+
+
+def plot_sweep(points: list[dict], grid: dict[str, list[int]], path: str, trace_name: str = "",
+               kv_bytes_per_token: int = 0, fixed_sizes: dict[str, int] | None = None, policy: str = "") -> None:
+    """PNG of hit rate per tier (and total) against the last swept tier's capacity, one panel per combination of
+    the other swept sizes. The figure names the trace, the sizes held fixed and the policies; the x axis is in GiB
+    (blocks' KV bytes) where the KV bytes per token are known, else in thousands of tokens; panel titles give the
+    sizes used; a point the replay refused (e.g. disk without host) is marked as skipped where it would have been."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -66,19 +73,29 @@ def plot_sweep(points: list[dict], grid: dict[str, list[int]], path: str) -> Non
     x_tier = list(grid)[-1]
     others = [t for t in grid if t != x_tier]
     panels = grid_points({t: grid[t] for t in others}) if others else [{}]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False, sharey=True)
+    scale = kv_bytes_per_token / 2**30 if kv_bytes_per_token else 1e-3
+    unit = "GiB" if kv_bytes_per_token else "thousand tokens"
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4.2), squeeze=False, sharey=True)
     for ax, fixed in zip(axes[0], panels):
-        rows = [p for p in points if "skipped" not in p and all(p["sizes_tokens"][k] == v for k, v in fixed.items())]
-        rows.sort(key=lambda p: p["sizes_tokens"][x_tier])
-        xs = [p["sizes_tokens"][x_tier] for p in rows]
+        mine = [p for p in points if all(p["sizes_tokens"][k] == v for k, v in fixed.items())]
+        rows = sorted((p for p in mine if "skipped" not in p), key=lambda p: p["sizes_tokens"][x_tier])
+        xs = [p["sizes_tokens"][x_tier] * scale for p in rows]
         for tier in TIERS:
             ax.plot(xs, [p["hit_rate"][tier] for p in rows], marker="o", label=tier)
         ax.plot(xs, [p["total_hit_rate"] for p in rows], marker="s", color="black", label="total")
-        ax.set_xlabel(f"{x_tier} capacity (tokens)")
-        ax.set_title(", ".join(f"{k}={v:,}" for k, v in fixed.items()) or "hit rate per tier", fontsize=9)
+        skipped = [p["sizes_tokens"][x_tier] * scale for p in mine if "skipped" in p]
+        if skipped:
+            ax.plot(skipped, [0.0] * len(skipped), "x", color="red", markersize=9, label="skipped (refused)")
+        ax.set_xlabel(f"{x_tier} tier capacity ({unit})")
+        title = ", ".join(f"{k} {_gib(v, kv_bytes_per_token)}" for k, v in fixed.items())
+        ax.set_title(title or f"{x_tier} tier swept", fontsize=9)
+        ax.set_ylim(-0.03, 1.0)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("hit rate (fraction of blocks)")
     axes[0][0].legend(fontsize=8)
+    held = ", ".join(f"{k} {_gib(v, kv_bytes_per_token)}" for k, v in (fixed_sizes or {}).items()
+                     if k not in grid and v is not None)
+    fig.suptitle("; ".join(x for x in (trace_name, f"fixed: {held}" if held else "", policy) if x), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
