@@ -89,6 +89,7 @@ class ReplayTotals:
     requests_with_disk_hit: int = 0
     matched_not_served_blocks: int = 0
     not_cached_blocks: int = 0
+    cut_requests: int = 0  # requests longer than the GPU tier: only their first GPU-capacity blocks were cached
     disk_reads: list[tuple[float, int]] = field(default_factory=list)  # (timestamp ms, blocks read)
     disk_hit_depths: list[int] = field(default_factory=list)  # LRU stack depth of each disk hit
     disk_hit_ages_ms: list[float] = field(default_factory=list)
@@ -189,6 +190,7 @@ class Replayer:
             t.disk_reads.append((rec.timestamp_ms, out.disk_read_blocks))
         t.matched_not_served_blocks += matched_not_served
         t.not_cached_blocks += out.not_cached
+        t.cut_requests += out.not_cached > 0
         if rec.cached_tokens is not None:
             t.server_checked += 1
             if rec.cached_tokens != hit_tokens:

@@ -98,6 +98,7 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
         "requests_with_disk_hit": t.requests_with_disk_hit,
         "matched_not_served_blocks": t.matched_not_served_blocks,
         "not_cached_blocks": t.not_cached_blocks,
+        "cut_requests": t.cut_requests,
         "tiers": {tier: {"blocks": getattr(setup, f"{tier}_blocks"),
                          "tokens": getattr(setup, f"{tier}_blocks") * setup.block_tokens,
                          "bytes": getattr(setup, f"{tier}_blocks") * bb} for tier in TIERS},
@@ -188,7 +189,8 @@ def format_table(s: dict[str, Any], title: str) -> str:
     lines.append("")
     lines.append(f"requests: {s['requests']:,}; with a disk hit: {s['requests_with_disk_hit']:,}; "
                  f"blocks matched but not served: {s['matched_not_served_blocks']:,}; "
-                 f"not cached (larger than the GPU tier): {s['not_cached_blocks']:,}")
+                 f"not cached: {s['not_cached_blocks']:,} blocks of {s.get('cut_requests', 0):,} requests longer "
+                 "than the GPU tier (a server caches only their first GPU-capacity blocks too)")
     assumed = f" (assumed defaults: {', '.join(pt['assumed'])})" if pt["assumed"] else ""
     lines.append(f"cost model: prefill {pt['prefill_tokens_per_s']:,.0f} tokens/s, host->GPU "
                  f"{pt['host_to_device_gbps']:g} GB/s, disk->GPU {pt['disk_to_device_gbps']:g} GB/s{assumed}")

@@ -232,3 +232,10 @@ def test_the_lru_inclusive_preset_agrees_with_the_reference_block_for_block(tmp_
             want[tier] += 1
     assert got["hit_blocks"] == want
     assert got["policies"]["host_to_disk"] == "write_through" and got["policies"]["defer_above_free"] == 1.0
+
+
+def test_requests_longer_than_the_gpu_tier_are_counted_with_the_blocks_they_cost():
+    rep = Replayer(ReplaySetup(4, 8, 0, 0, block_bytes=64))
+    rep.step(TraceRecord(0.0, 12 * 4, 1, list(range(1, 13)), 1))  # 12 blocks, 8 fit the GPU tier
+    rep.step(TraceRecord(1.0, 4 * 4, 1, list(range(20, 24)), 2))
+    assert rep.totals.cut_requests == 1 and rep.totals.not_cached_blocks == 4
