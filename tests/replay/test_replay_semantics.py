@@ -239,3 +239,34 @@ def test_requests_longer_than_the_gpu_tier_are_counted_with_the_blocks_they_cost
     rep.step(TraceRecord(0.0, 12 * 4, 1, list(range(1, 13)), 1))  # 12 blocks, 8 fit the GPU tier
     rep.step(TraceRecord(1.0, 4 * 4, 1, list(range(20, 24)), 2))
     assert rep.totals.cut_requests == 1 and rep.totals.not_cached_blocks == 4
+
+
+def test_the_lru_inclusive_preset_agrees_with_the_reference_on_agent_sessions(tmp_path):
+    """The same agreement on the agent-session format: two sessions whose turns extend their context."""
+    import json
+    import random
+
+    from hicache.cli import main
+    from hicache.replay.trace import read_agent_sessions
+
+    rng = random.Random(5)
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    for name in ("s1", "s2"):
+        ids, requests = [], []
+        for turn in range(8):
+            ids = ids + [rng.randrange(1, 10**6) for _ in range(rng.randrange(1, 5))]
+            requests.append({"t": float(turn * 7 + (name == "s2")), "in": 64 * len(ids), "out": 4, "hash_ids": ids})
+        (sessions / f"{name}.json").write_text(json.dumps({"id": name, "block_size": 64, "requests": requests}))
+    caps = {"device": 8, "host": 16, "disk": 40}
+    out = tmp_path / "r.json"
+    assert main(["replay", str(sessions), "--policy", "lru-inclusive", "--device-tokens", str(caps["device"] * 64),
+                 "--host-tokens", str(caps["host"] * 64), "--disk-tokens", str(caps["disk"] * 64),
+                 "--kv-bytes-per-token", "64", "--no-progress", "--json", str(out)]) == 0
+    ref = ReferenceLRU(caps)
+    want = {t: 0 for t in TIERS}
+    for rec in read_agent_sessions([sessions]).records:
+        for tier in ref.request(rec.hash_ids):
+            want[tier] += 1
+    got = json.loads(out.read_text())["hit_blocks"]
+    assert got == want and sum(want.values()) > 0
