@@ -103,18 +103,45 @@ def aligned_pool(pages: int, page_bytes: int) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8).view(pages, page_bytes)
 
 
-def run(args: argparse.Namespace) -> dict:
+def _engine_alone(args: argparse.Namespace) -> tuple[set[int], int, list[float]]:
+    """Pin this thread (the engine thread) as --pin says, calibrate its steps and time them alone; returns the L3's
+    CPUs, the step size and the step times."""
     cpus = sorted(os.sched_getaffinity(0))
     engine_cpus, l3_cpus = ({cpus[0]}, set(cpus[1:])) if args.pin and len(cpus) > 1 else (set(cpus), set(cpus))
-    os.sched_setaffinity(0, engine_cpus)  # this thread: the engine thread
+    os.sched_setaffinity(0, engine_cpus)
     units = calibrate(args.step_ms)
+    for _ in range(args.warmup):
+        _step(units)
+    deadline = time.perf_counter() + args.seconds
+    steps = []
+    while time.perf_counter() < deadline:
+        steps.append(_step(units))
+    return l3_cpus, units, steps
+
+
+def _summary(args: argparse.Namespace, units: int, steps_alone: list[float], steps_busy: list[float],
+             l3_alone_bps: float, l3_busy_bps: float, bad: int, checked: int, **extra) -> dict:
+    p90 = lambda xs: statistics.quantiles(xs, n=10)[-1]  # noqa: E731
+    return {
+        "dir": args.dir, "page_bytes": args.page_bytes, "pages": args.pages, "batch": args.batch,
+        "step_units": units, "pinned": bool(args.pin and len(os.sched_getaffinity(0)) == 1),
+        "switch_interval_ms": sys.getswitchinterval() * 1e3, **extra,
+        "step_ms_alone": {"mean": statistics.mean(steps_alone) * 1e3, "p90": p90(steps_alone) * 1e3},
+        "step_ms_with_l3": {"mean": statistics.mean(steps_busy) * 1e3, "p90": p90(steps_busy) * 1e3},
+        "step_tax_mean": statistics.mean(steps_busy) / statistics.mean(steps_alone),
+        "step_tax_p90": p90(steps_busy) / p90(steps_alone),
+        "l3_gbps_alone": l3_alone_bps / GB, "l3_gbps_with_steps": l3_busy_bps / GB,
+        "l3_speed_under_load": l3_busy_bps / l3_alone_bps if l3_alone_bps else float("nan"),
+        "bad_batches": bad, "checked_batches": checked,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    l3_cpus, units, steps_alone = _engine_alone(args)
     path = tempfile.mkdtemp(prefix="l3-contention-", dir=args.dir)
     pool = aligned_pool(args.pages, args.page_bytes)
     pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8))
     readback = aligned_pool(args.pages, args.page_bytes)
-    result: dict = {"dir": args.dir, "page_bytes": args.page_bytes, "pages": args.pages, "batch": args.batch,
-                    "step_units": units, "pinned": bool(args.pin and len(cpus) > 1),
-                    "switch_interval_ms": sys.getswitchinterval() * 1e3}
     store = L3Store(path, 2 * args.pages * slot_bytes_for(args.page_bytes), args.page_bytes, NAMESPACE,
                     io_threads=args.threads, sync_batch_pages=args.batch)
     box: dict = {}
@@ -131,12 +158,6 @@ def run(args: argparse.Namespace) -> dict:
         box.update(worker=worker, traffic=traffic, seconds=time.perf_counter() - start)
 
     try:
-        for _ in range(args.warmup):
-            _step(units)
-        deadline = time.perf_counter() + args.seconds
-        steps_alone = []
-        while time.perf_counter() < deadline:
-            steps_alone.append(_step(units))
         helper = threading.Thread(target=l3_alone)
         helper.start()
         helper.join()
@@ -160,17 +181,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         store.close()
         shutil.rmtree(path)
-    p90 = lambda xs: statistics.quantiles(xs, n=10)[-1]  # noqa: E731
-    result.update({
-        "step_ms_alone": {"mean": statistics.mean(steps_alone) * 1e3, "p90": p90(steps_alone) * 1e3},
-        "step_ms_with_l3": {"mean": statistics.mean(steps_busy) * 1e3, "p90": p90(steps_busy) * 1e3},
-        "step_tax_mean": statistics.mean(steps_busy) / statistics.mean(steps_alone),
-        "step_tax_p90": p90(steps_busy) / p90(steps_alone),
-        "l3_gbps_alone": l3_alone_bps / GB, "l3_gbps_with_steps": l3_busy_bps / GB,
-        "l3_speed_under_load": l3_busy_bps / l3_alone_bps if l3_alone_bps else float("nan"),
-        "bad_batches": traffic.bad, "checked_batches": traffic.checked,
-    })
-    return result
+    return _summary(args, units, steps_alone, steps_busy, l3_alone_bps, l3_busy_bps, traffic.bad, traffic.checked)
 
 
 def _l3_process(args: argparse.Namespace, cpus: set[int], ready, done) -> None:
@@ -201,16 +212,7 @@ def run_process(args: argparse.Namespace) -> dict:
     """The steps alone, then beside the L3 traffic running in a separate process."""
     import multiprocessing
 
-    cpus = sorted(os.sched_getaffinity(0))
-    engine_cpus, l3_cpus = ({cpus[0]}, set(cpus[1:])) if args.pin and len(cpus) > 1 else (set(cpus), set(cpus))
-    os.sched_setaffinity(0, engine_cpus)
-    units = calibrate(args.step_ms)
-    for _ in range(args.warmup):
-        _step(units)
-    deadline = time.perf_counter() + args.seconds
-    steps_alone = []
-    while time.perf_counter() < deadline:
-        steps_alone.append(_step(units))
+    l3_cpus, units, steps_alone = _engine_alone(args)
     ctx = multiprocessing.get_context("spawn")
     ready, done = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=_l3_process, args=(args, l3_cpus, ready, done))
@@ -222,16 +224,7 @@ def run_process(args: argparse.Namespace) -> dict:
         steps_busy.append(_step(units))
     l3_bps, bad, checked = done.get(timeout=120)
     child.join()
-    p90 = lambda xs: statistics.quantiles(xs, n=10)[-1]  # noqa: E731
-    return {"dir": args.dir, "page_bytes": args.page_bytes, "pages": args.pages, "batch": args.batch,
-            "step_units": units, "pinned": bool(args.pin and len(cpus) > 1), "l3_process": True,
-            "switch_interval_ms": sys.getswitchinterval() * 1e3,
-            "step_ms_alone": {"mean": statistics.mean(steps_alone) * 1e3, "p90": p90(steps_alone) * 1e3},
-            "step_ms_with_l3": {"mean": statistics.mean(steps_busy) * 1e3, "p90": p90(steps_busy) * 1e3},
-            "step_tax_mean": statistics.mean(steps_busy) / statistics.mean(steps_alone),
-            "step_tax_p90": p90(steps_busy) / p90(steps_alone),
-            "l3_gbps_alone": float("nan"), "l3_gbps_with_steps": l3_bps / GB, "l3_speed_under_load": float("nan"),
-            "bad_batches": bad, "checked_batches": checked}
+    return _summary(args, units, steps_alone, steps_busy, float("nan"), l3_bps, bad, checked, l3_process=True)
 
 
 def _step(units: int) -> float:
