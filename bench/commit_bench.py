@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from controller import CostModel, L3Worker, TierController, WritePolicy
-from controller.controller import FLUSH_SLICE_BYTES
+from controller.writes import FLUSH_SLICE_BYTES
 from radix import RadixTree, namespace_fingerprint
 from tiers import DevicePool, HostPool, KVLayout, PageCopier
 
@@ -98,7 +98,7 @@ def build(arm: str, args: argparse.Namespace, l3_dir: str) -> TierController:
     cost = CostModel(LAYOUT.page_size, LAYOUT.page_bytes)
     ctrl = TierController(tree, dev, host, l3, copier, policy, cost, worker,
                           min(args.disk_pages, l3.capacity_pages) if l3 is not None else None)
-    ctrl.flush_slice_pages = ctrl._flush_budget = FLUSH_SLICE_BYTES // H200_PAGE_BYTES  # as on the H200
+    ctrl.writes.flush_slice_pages = ctrl.writes._flush_budget = FLUSH_SLICE_BYTES // H200_PAGE_BYTES  # as on the H200
     return ctrl
 
 
@@ -117,7 +117,7 @@ def replay(ctrl: TierController, requests: list[list[int]], args: argparse.Names
     committed = 0
     for tokens in requests:
         full_pages = len(tokens) // ps
-        t("begin_step", ctrl.begin_step)
+        t("begin_step", ctrl.writes.begin_step)
         t("poll", ctrl.poll)
         ticket = t("acquire", ctrl.acquire, tokens, max_pages=(len(tokens) - 1) // ps, overlap=True)
         pages = ticket.prefix_pages()
@@ -125,7 +125,7 @@ def replay(ctrl: TierController, requests: list[list[int]], args: argparse.Names
         first = True
         while done < full_pages:
             if not first:
-                t("begin_step", ctrl.begin_step)
+                t("begin_step", ctrl.writes.begin_step)
                 t("poll", ctrl.poll)
             first = False
             n = min(chunk, full_pages - done)
@@ -146,8 +146,8 @@ def replay(ctrl: TierController, requests: list[list[int]], args: argparse.Names
         ctrl.release(old)
         ctrl.free_device(spare)
     drain = Timed()
-    while ctrl._deferred:
-        drain("begin_step", ctrl.begin_step)
+    while ctrl.writes.deferred:
+        drain("begin_step", ctrl.writes.begin_step)
         drain("poll", ctrl.poll)
         drain("idle", ctrl.idle)
     return t, drain, committed
@@ -157,7 +157,8 @@ def digest(ctrl: TierController) -> str:
     """A fingerprint of where every page ended up and of the counters (equal before and after a pure speed-up)."""
     h = hashlib.sha256(json.dumps(ctrl.stats.snapshot(), sort_keys=True).encode())
     for node in sorted(ctrl.tree.nodes(), key=lambda n: n.keys[0]):
-        h.update(repr((node.keys[0], node.num_pages, node.loc[0], node.loc[1], node.lock_ref, node.pin_ref)).encode())
+        where = (node.keys[0], node.num_pages, node.device_pages, node.host_pages, node.lock_ref, node.pin_ref)
+        h.update(repr(where).encode())
     return h.hexdigest()[:16]
 
 
@@ -168,11 +169,10 @@ def run_once(arm: str, args: argparse.Namespace, profile: cProfile.Profile | Non
         if profile is not None:
             profile.enable()
         t, drain, committed = replay(ctrl, requests, args)
-        copier_s = ctrl.copier.seconds if ctrl.copier is not None else 0.0  # prefill steps and drain
+        copier_s = getattr(ctrl.copier, "seconds", 0.0)  # prefill steps and drain (no copier: none timed)
         if profile is not None:
             profile.disable()
-        if ctrl.worker is not None:
-            ctrl.worker.wait_idle()
+        ctrl.worker.wait_idle()
         ctrl.poll()
         ctrl.check_integrity()
         out = {
@@ -187,8 +187,7 @@ def run_once(arm: str, args: argparse.Namespace, profile: cProfile.Profile | Non
             "stats": ctrl.stats.snapshot(),
         }
         ctrl.close()
-        if ctrl.l3 is not None:
-            ctrl.l3.close()
+        ctrl.l3.close()
         return out
 
 
