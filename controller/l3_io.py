@@ -35,6 +35,7 @@ class Completion:
     keys: frozenset[bytes] = frozenset()
     seconds: float = 0.0  # time the store call took (reads: for the controller's bandwidth estimate)
     end: float = 0.0  # time.monotonic() when it finished: concurrent reads overlap, [end - seconds, end] each
+    reasons: tuple[str | None, ...] = ()  # writes: why each refused page was refused, where the store says
 
 
 @dataclass
@@ -166,16 +167,22 @@ class L3Worker:
             keys.extend(job.keys)
             pages.extend(job.pages)
         start = time.perf_counter()
+        detailed = getattr(self.store, "write_pages_detailed", None)  # L3Store: with the reasons of refusals
         try:
-            results = list(self.store.write_pages(keys, pages))
+            if detailed is not None:
+                results, reasons = detailed(keys, pages)
+            else:
+                results = list(self.store.write_pages(keys, pages))
+                reasons = [None] * len(keys)
         except Exception:  # the store reports I/O faults as False; anything else is a bug, keep serving
             logger.exception("L3 write of %d pages failed", len(keys))
-            results = [False] * len(keys)
+            results, reasons = [False] * len(keys), [None] * len(keys)
         i = 0
         for job in batch:
             n = len(job.keys)
             elapsed = time.perf_counter() - start
-            self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys), elapsed), n)
+            self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys), elapsed,
+                                    reasons=tuple(reasons[i : i + n])), n)
             i += n
 
     def _run_read(self, token: Any, keys: list[bytes], pages: list[Any]) -> None:

@@ -12,7 +12,8 @@ A policy is a strategy object that answers three events for a node: it was just 
 GPU -> host copies go through the copier; host -> L3 writes through the L3 worker's bounded queue.
 A node larger than the largest write the queue takes is split and written in parts. A write that
 cannot be made is dropped and counted in `stats.drops` by reason: `host_full`, `l3_queue_full`,
-`disk_full`, `l3_write_failed`.
+`disk_full`, and for what the L3 store refuses `not_admitted` (its admission rule, `cache.l3.admission_hits`),
+`l3_busy`, `l3_degraded` or `l3_write_failed`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from controller.stats import CacheStats
 from controller.transfers import Transfers
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 from tiers.copy import COMPLETED, TransferHandle
+
+# the store's reasons for refusing a page (L3Store.write_pages_detailed) -> the drop they are counted as
+WRITE_REFUSALS = {"not_admitted": "not_admitted", "busy": "l3_busy", "degraded": "l3_degraded"}
 
 # A deferred write-through backlog starts at most about this many bytes per engine step (`begin_step`). Starting
 # a whole backlog at once (24 GB after a 32k-token burst on the H200) queued thousands of copy operations: the
@@ -285,6 +289,13 @@ class Writes:
 
     # ------------------------------------------------------------------ completions
 
+    def _count_refused(self, c: Completion) -> None:
+        """Count a write's refused pages by the store's reason (l3_write_failed where it gives none)."""
+        reasons = c.reasons or (None,) * len(c.results)
+        for ok, reason in zip(c.results, reasons):
+            if not ok:
+                self.stats.drops[WRITE_REFUSALS.get(reason, "l3_write_failed")] += 1
+
     def apply(self, c: Completion) -> None:
         """A write completed: record its pages as on disk (or count the failure)."""
         node: TreeNode = c.token
@@ -292,14 +303,14 @@ class Writes:
         if node.id in self.transfers.bounced:
             self.transfers.bounced.discard(node.id)
             if not all(c.results):  # recorded on disk at submit; undo, with what hangs below
-                self.stats.drops["l3_write_failed"] += c.results.count(False)
+                self._count_refused(c)
                 if not node.removed:
                     self.transfers.mark_invalid(node)
             return
         self.eviction.disk_inflight -= len(c.results)
         self.tree.unpin(node)
         if not all(c.results):
-            self.stats.drops["l3_write_failed"] += c.results.count(False)
+            self._count_refused(c)
             return
         # the node may have been split since: its upper parts are ancestors holding keys of this write
         part = node

@@ -729,3 +729,23 @@ def test_disk_usage_after_a_restart_counts_what_the_store_holds():
     l3 = MemoryL3(32, LAYOUT.page_bytes)
     h = on_disk_only(l3, seq(7, 3), device=4, host=8)  # a restart: the tree is empty, the store holds 3 pages
     assert h.ctrl.tree.pages_in[2] == 0 and h.ctrl.usage()[DISK] == {"used": 3, "capacity": 32}
+
+
+def test_a_write_the_admission_rule_refuses_is_counted_as_not_admitted(tmp_path):
+    """cache.l3.admission_hits 2: a page goes to the L3 the second time it is offered (its first reuse). The first
+    offer's refusal is counted under its own reason, not as a failed write."""
+    from tiers.l3 import L3Store
+
+    store = L3Store(tmp_path / "l3", 32 * 4096, LAYOUT.page_bytes, bytes(16), io_backend="posix", admission_hits=2)
+    try:
+        h = Harness(device=8, host=8, l3=store)
+        h.run(seq(1, 2))  # committed and backed up to host: offered to the L3 once
+        assert h.ctrl.stats.drops == {"not_admitted": 2}
+        assert store.stats()["writes"] == 0 and h.ctrl.tree.pages_in[2] == 0
+        assert h.run(seq(1, 2)) == {DEVICE: 2}  # reused: offered again, written
+        h.ctrl.poll()
+        assert store.stats()["writes"] == 2 and h.ctrl.tree.pages_in[2] == 2
+        assert h.ctrl.stats.drops == {"not_admitted": 2}
+        h.ctrl.close()
+    finally:
+        store.close()

@@ -207,3 +207,12 @@ def test_a_delete_that_does_not_wait_is_gone_at_once_and_durable_by_the_next_wri
     reopened.close()
     again = open_store(pages=4)
     assert again.contains(keys + fresh) == [False, False, True, True, True, True]
+
+
+def test_write_pages_detailed_says_why_a_page_was_refused(open_store):
+    store = open_store(pages=4, admission_hits=2)
+    k = [key(1), key(2)]
+    pages = [content(x, 8192) for x in k]
+    assert store.write_pages_detailed(k, pages) == ([False, False], ["not_admitted", "not_admitted"])
+    assert store.write_pages_detailed(k, pages) == ([True, True], [None, None])  # the second offer is admitted
+    assert store.write_pages_detailed(k, pages) == ([True, True], [None, None])  # present: stored already

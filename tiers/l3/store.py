@@ -261,17 +261,27 @@ class L3Store:
         False: not admitted, store degraded, key being written by another call, or an I/O error.
         Evicts least recently used pages when the slab is full.
         """
+        return self.write_pages_detailed(keys, pages)[0]
+
+    def write_pages_detailed(self, keys: Sequence[bytes],
+                             pages: Sequence[torch.Tensor]) -> tuple[list[bool], list[str | None]]:
+        """`write_pages`, with why each refused page was refused: "not_admitted" (the admission rule), "busy"
+        (another call is writing the key), "degraded" (the store refuses writes for now) or "failed" (no slot,
+        an I/O, sync or index error); None where the page is stored."""
         self._check_writable()
         self._check_batch(keys, pages)
         self._commit_pending_drops()  # their slots are free for this batch
         results = [False] * len(keys)
-        todo = self._plan_writes(keys, results)
+        reasons: list[str | None] = [None] * len(keys)
+        todo = self._plan_writes(keys, results, reasons)
         if todo:
             self._write_planned(keys, pages, todo, results)
         first: dict[bytes, int] = {}
         for i, key in enumerate(keys):  # a repeated key shares its first occurrence's outcome
-            results[i] = results[first.setdefault(key, i)]
-        return results
+            j = first.setdefault(key, i)
+            results[i] = results[j]
+            reasons[i] = None if results[i] else reasons[j] or "failed"
+        return results, reasons
 
     def _write_planned(self, keys, pages, todo: list[int], results: list[bool]) -> None:
         victims, slots = self._allocate([keys[i] for i in todo], protect=set(keys))
@@ -471,12 +481,14 @@ class L3Store:
                 raise ValueError(f"page must be a contiguous 1-D uint8 tensor of {self.page_bytes} bytes, "
                                  f"got {tuple(tensor.shape)} {tensor.dtype}")
 
-    def _plan_writes(self, keys: Sequence[bytes], results: list[bool]) -> list[int]:
-        """Indices of keys this call will write (admitted, absent, not in flight); marks present ones True."""
+    def _plan_writes(self, keys: Sequence[bytes], results: list[bool], reasons: list[str | None]) -> list[int]:
+        """Indices of keys this call will write (admitted, absent, not in flight); marks present ones True and
+        notes why the others are refused."""
         with self._lock:
             if self._state == "degraded":
                 if time.monotonic() - self._degraded_at < self.degraded_retry_s:
                     self._counters["write_refused"] += len(keys)
+                    reasons[:] = ["degraded"] * len(keys)
                     return []
                 log.info("%s: degraded; probing with a write", self.path)
                 self._state = "probing"
@@ -493,10 +505,14 @@ class L3Store:
                     self._dirty_access.add(key)
                 elif key in self._in_flight:
                     self._counters["busy"] += 1
+                    reasons[i] = "busy"
                 else:
                     candidates.append(i)
             admitted = self._admission.admit([keys[i] for i in candidates])
             self._counters["not_admitted"] += admitted.count(False)
+            for i, ok in zip(candidates, admitted):
+                if not ok:
+                    reasons[i] = "not_admitted"
             todo = [i for i, ok in zip(candidates, admitted) if ok]
             for i in todo:
                 self._in_flight[keys[i]] = -1
