@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from controller.cost import CostModel, LoadPlan
 from controller.eviction import Eviction
 from controller.l3_io import Completion, L3Worker
-from controller.ports import Copier, HostPool, Pool
+from controller.ports import Copier, HostPool, Pool, page_buffers
 from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import FAILED, PREFETCHED, DiskLoad, Transfers
-from controller.writes import page_buffers
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 
 READ_ESTIMATE_HALF_LIFE_S = 5.0  # how fast the disk bandwidth estimate forgets old reads

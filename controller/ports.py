@@ -48,6 +48,13 @@ class L3(Protocol):
         the disk), but the keys are not found from now on."""
 
 
+def page_buffers(host: Any, pages: Sequence[int]) -> list[Any]:
+    """The buffers the L3 store reads and writes for these host pages (the ids themselves for a pool without
+    bytes)."""
+    view = getattr(host, "page_view", None)
+    return [view(p) for p in pages] if view is not None else list(pages)
+
+
 class NoPool:
     """An absent host tier: zero pages, nothing to allocate, free, read or write."""
 

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 from controller.eviction import Eviction
 from controller.l3_io import Completion, L3Worker
 from controller.policy import WritePolicy
-from controller.ports import L3, Copier, HostPool, Pool
+from controller.ports import L3, Copier, HostPool, Pool, page_buffers
 from controller.stats import CacheStats
 from controller.transfers import Transfers
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
@@ -43,7 +42,6 @@ FLUSH_SLICE_BYTES = 1 << 30
 class TierWrites:
     """When one tier's pages are copied to the tier below (see the module doc). The base copies never."""
 
-    name = "none"
     defers = False  # commit-time copies may wait for memory pressure (DeferredWriteThrough)
     counts_hits = False  # a hit is reported to the L3's admission rule before the copy is retried
 
@@ -62,7 +60,6 @@ class NoWrites(TierWrites):
 
 
 class WriteThrough(TierWrites):
-    name = "write_through"
     counts_hits = True
 
     def on_commit(self, node: TreeNode) -> bool:
@@ -73,7 +70,6 @@ class WriteThrough(TierWrites):
 
 
 class DeferredWriteThrough(WriteThrough):
-    name = "write_through (deferred)"
     defers = True
 
     def __init__(self, defer_above_free: float):
@@ -84,7 +80,6 @@ class DeferredWriteThrough(WriteThrough):
 
 
 class SelectiveWriteThrough(TierWrites):
-    name = "write_through_selective"
 
     def __init__(self, hits: int):
         self.hits = hits
@@ -94,7 +89,6 @@ class SelectiveWriteThrough(TierWrites):
 
 
 class WriteBack(TierWrites):
-    name = "write_back"
 
     def on_evict(self, node: TreeNode) -> bool:
         return True
@@ -109,13 +103,6 @@ def tier_writes(mode: str, policy: WritePolicy, deferrable: bool = False) -> Tie
     if deferrable and policy.defers_backups:
         return DeferredWriteThrough(policy.defer_above_free)
     return WriteThrough()
-
-
-def page_buffers(host: Any, pages: Sequence[int]) -> list[Any]:
-    """The buffers the L3 store reads and writes for these host pages (the ids themselves for a pool without
-    bytes)."""
-    view = getattr(host, "page_view", None)
-    return [view(p) for p in pages] if view is not None else list(pages)
 
 
 class Writes:
