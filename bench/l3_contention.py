@@ -30,8 +30,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from controller.l3_io import L3Worker  # noqa: E402
+from controller.l3_process import L3Process  # noqa: E402
 from tiers.l3 import L3Store  # noqa: E402
 from tiers.l3.format import slot_bytes_for  # noqa: E402
+from tiers.pinned import shared_buffer  # noqa: E402
 
 NAMESPACE = b"l3-contention-01"
 GB = 1e9
@@ -136,20 +138,50 @@ def _summary(args: argparse.Namespace, units: int, steps_alone: list[float], ste
     }
 
 
+class _SharedPages:
+    """Page-aligned pages in a memfd: what `controller.l3_process.L3Process` needs of a host pool."""
+
+    def __init__(self, pages: int, page_bytes: int) -> None:
+        flat, self.share_fd = shared_buffer(pages * page_bytes, "l3-contention")
+        self.buffer = flat.view(pages, page_bytes)
+        self.capacity_pages, self.page_bytes = pages, page_bytes
+
+    def page_view(self, page: int) -> torch.Tensor:
+        return self.buffer[page]
+
+
+def _open_l3(args: argparse.Namespace, path: str, l3_cpus: set[int]):
+    """The store, its worker, the written pages and the read-back pages, for threads or for an L3 process."""
+    store_args = dict(path=path, capacity_bytes=2 * args.pages * slot_bytes_for(args.page_bytes),
+                      page_bytes=args.page_bytes, namespace=NAMESPACE, io_threads=args.threads,
+                      sync_batch_pages=args.batch)
+    if not args.l3_process:
+        pool = aligned_pool(args.pages, args.page_bytes)
+        readback = aligned_pool(args.pages, args.page_bytes)
+        store = L3Store(**store_args)
+        return store, None, pool, readback, None
+    shared = _SharedPages(2 * args.pages, args.page_bytes)
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, l3_cpus)  # the child and all its threads inherit the L3's CPUs
+    try:
+        proc = L3Process(shared, store_args, threads=args.threads, queue_pages=args.pages, batch_pages=args.batch)
+    finally:
+        os.sched_setaffinity(0, mine)
+    return proc.store, proc.worker, shared.buffer[:args.pages], shared.buffer[args.pages:], proc
+
+
 def run(args: argparse.Namespace) -> dict:
     l3_cpus, units, steps_alone = _engine_alone(args)
     path = tempfile.mkdtemp(prefix="l3-contention-", dir=args.dir)
-    pool = aligned_pool(args.pages, args.page_bytes)
+    store, remote_worker, pool, readback, proc = _open_l3(args, path, l3_cpus)
     pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8))
-    readback = aligned_pool(args.pages, args.page_bytes)
-    store = L3Store(path, 2 * args.pages * slot_bytes_for(args.page_bytes), args.page_bytes, NAMESPACE,
-                    io_threads=args.threads, sync_batch_pages=args.batch)
     box: dict = {}
 
     def l3_alone() -> None:
         """The L3 alone; run on the L3's CPUs, so that the threads it starts (worker, I/O pool) stay there."""
         os.sched_setaffinity(0, l3_cpus)
-        worker = L3Worker(store, threads=args.threads, queue_pages=args.pages, batch_pages=args.batch)
+        worker = remote_worker or L3Worker(store, threads=args.threads, queue_pages=args.pages,
+                                           batch_pages=args.batch)
         traffic = Traffic(worker, store, pool, readback, args.batch)
         start = time.perf_counter()
         while time.perf_counter() - start < args.seconds:
@@ -181,50 +213,8 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         store.close()
         shutil.rmtree(path)
-    return _summary(args, units, steps_alone, steps_busy, l3_alone_bps, l3_busy_bps, traffic.bad, traffic.checked)
-
-
-def _l3_process(args: argparse.Namespace, cpus: set[int], ready, done) -> None:
-    """The L3 traffic of `run`, alone in a process of its own (spawned): what an L3 process would cost the engine."""
-    os.sched_setaffinity(0, cpus)
-    path = tempfile.mkdtemp(prefix="l3-contention-", dir=args.dir)
-    pool = aligned_pool(args.pages, args.page_bytes)
-    pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8))
-    readback = aligned_pool(args.pages, args.page_bytes)
-    try:
-        with L3Store(path, 2 * args.pages * slot_bytes_for(args.page_bytes), args.page_bytes, NAMESPACE,
-                     io_threads=args.threads, sync_batch_pages=args.batch) as store:
-            worker = L3Worker(store, threads=args.threads, queue_pages=args.pages, batch_pages=args.batch)
-            traffic = Traffic(worker, store, pool, readback, args.batch)
-            ready.put(True)
-            start = time.perf_counter()
-            while time.perf_counter() - start < args.seconds:
-                traffic.pump()
-                time.sleep(0.0005)
-            done.put(((traffic.bytes_written + traffic.bytes_read) / (time.perf_counter() - start), traffic.bad,
-                      traffic.checked))
-            worker.close()
-    finally:
-        shutil.rmtree(path)
-
-
-def run_process(args: argparse.Namespace) -> dict:
-    """The steps alone, then beside the L3 traffic running in a separate process."""
-    import multiprocessing
-
-    l3_cpus, units, steps_alone = _engine_alone(args)
-    ctx = multiprocessing.get_context("spawn")
-    ready, done = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_l3_process, args=(args, l3_cpus, ready, done))
-    child.start()
-    ready.get(timeout=120)
-    steps_busy = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < args.seconds * 0.9:  # inside the child's traffic window
-        steps_busy.append(_step(units))
-    l3_bps, bad, checked = done.get(timeout=120)
-    child.join()
-    return _summary(args, units, steps_alone, steps_busy, float("nan"), l3_bps, bad, checked, l3_process=True)
+    return _summary(args, units, steps_alone, steps_busy, l3_alone_bps, l3_busy_bps, traffic.bad, traffic.checked,
+                    l3_process=bool(args.l3_process))
 
 
 def _step(units: int) -> float:
@@ -249,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--python-checksum", action="store_true",
                    help="checksum with the xxhash binding (holds the interpreter lock) instead of libxxhash")
     p.add_argument("--l3-process", action="store_true",
-                   help="run the L3 traffic in a process of its own instead of threads beside the engine thread")
+                   help="the store in a process of its own (controller/l3_process.py, as cache.l3.worker: process) "
+                        "instead of threads beside the engine thread")
     p.add_argument("--switch-interval-ms", type=float,
                    help="sys.setswitchinterval for the run (Python's default: 5 ms): how long a thread that wants "
                         "the interpreter lock waits before the holder is asked to let go")
@@ -261,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         import tiers.l3.format
 
         tiers.l3.format._XXH3_64 = None
-    result = run_process(args) if args.l3_process else run(args)
+    result = run(args)
     pinned = (", engine thread pinned" if result["pinned"] else "") + f", switch {result['switch_interval_ms']:g} ms"
     print(f"{args.pages} x {args.page_bytes} B pages in {args.dir}, batches of {args.batch}, "
           f"{args.step_ms:.0f} ms Python steps ({os.cpu_count()} CPUs{pinned})")

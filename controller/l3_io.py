@@ -108,6 +108,19 @@ class L3Worker:
             except queue.Empty:
                 return out
 
+    def wait_completions(self, timeout: float | None = None) -> list[Completion]:
+        """`completions`, but block up to `timeout` for the first one (an L3 process forwards them as they come)."""
+        try:
+            first = self._done.get(timeout=timeout)
+        except queue.Empty:
+            return []
+        return [first, *self.completions()]
+
+    def stage(self, pages: Sequence[Any]) -> list[Any] | None:
+        """Copies of page buffers that a write can own, so that their host pages may be freed at once (a write
+        of pages leaving the host tier)."""
+        return [p.clone() if hasattr(p, "clone") else p for p in pages]
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every submitted job has completed; False on timeout."""
         with self._idle:

@@ -122,6 +122,9 @@ class NoWorker:
     def completions(self) -> list[Any]:
         return []
 
+    def stage(self, pages: Sequence[Any]) -> list[Any] | None:
+        return None
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         return True
 

@@ -260,10 +260,12 @@ class Writes:
             handle.wait()
         pages = page_buffers(self.host, node.host_pages)
         if bounce:
-            pages = [p.clone() if hasattr(p, "clone") else p for p in pages]
+            pages = self.worker.stage(pages)  # copies the write owns; None: no room for them
+            if pages is None:
+                return "l3_queue_full"
         before = handle.wait if handle is not None and not bounce else None
         if not self.worker.submit_write(node, node.keys, pages, before):
-            return "l3_queue_full"
+            return getattr(self.worker, "refusal", "l3_queue_full")
         self.transfers.writing[node.id] = node
         if bounce:  # the write owns its bytes: record the page as on disk now so the node may leave host
             self.transfers.bounced.add(node.id)

@@ -88,6 +88,21 @@ def calibrate_bandwidths(cost: CostModel, cfg: Config, device: DevicePool, host:
     return cost
 
 
+def l3_in_process(cfg: Config, device: torch.device) -> bool:
+    """Whether the L3 store runs in a process of its own (`cache.l3.worker`, controller/l3_process.py)."""
+    mode = cfg.cache.l3.worker
+    if mode != "auto":
+        return mode == "process"
+    if device.type != "cuda" or cfg.cache.l3.io_backend == "kvikio":
+        return False
+    if cfg.cache.l3.io_backend == "auto":  # GPUDirect Storage active: the store's threads move no bytes themselves
+        from tiers.l3.io import kvikio_compat_mode, kvikio_usable
+
+        if kvikio_usable()[0] and not kvikio_compat_mode():
+            return False
+    return True
+
+
 def build_cache(
     cfg: Config,
     layout: KVLayout,
@@ -104,22 +119,30 @@ def build_cache(
         raise ConfigError("cache.l3: the disk tier needs a host tier (cache.host size > 0): "
                           "pages reach L3 through host memory")
     device_pool = DevicePool(layout, sizes.device_pages, TORCH_DTYPES[dtype], device)
-    host_pool = HostPool(layout, sizes.host_pages, TORCH_DTYPES[dtype]) if sizes.host_pages else None
+    in_process = bool(sizes.disk_pages) and l3_in_process(cfg, device_pool.device)
+    host_pool = (HostPool(layout, sizes.host_pages, TORCH_DTYPES[dtype], shared=in_process)
+                 if sizes.host_pages else None)
     copier = make_copier(device_pool, host_pool) if host_pool is not None else None
     l3 = worker = None
     if sizes.disk_pages:
-        from tiers.l3 import L3Store
-
         c = cfg.cache.l3
         slot_bytes = -(-layout.page_bytes // 4096) * 4096  # slots are 4 KiB aligned
         # small pages need many per sync: one fdatasync + LMDB commit per 32 x 64 KiB ran at 0.1 of raw
         sync_pages = c.sync_batch_pages or max(32, SYNC_BATCH_BYTES // layout.page_bytes)
-        l3 = L3Store(
-            c.path, sizes.disk_pages * slot_bytes, layout.page_bytes, ns,
-            io_backend=c.io_backend, io_threads=c.io_threads, sync_batch_pages=sync_pages,
-            admission_hits=c.admission_hits,
-        )
-        worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=sync_pages)
+        store_args = dict(path=c.path, capacity_bytes=sizes.disk_pages * slot_bytes, page_bytes=layout.page_bytes,
+                          namespace=ns, io_backend=c.io_backend, io_threads=c.io_threads,
+                          sync_batch_pages=sync_pages, admission_hits=c.admission_hits)
+        if in_process:
+            from controller.l3_process import L3Process
+
+            proc = L3Process(host_pool, store_args, threads=c.io_threads, queue_pages=c.queue_pages,
+                             batch_pages=sync_pages)
+            l3, worker = proc.store, proc.worker
+        else:
+            from tiers.l3 import L3Store
+
+            l3 = L3Store(**store_args)
+            worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=sync_pages)
     cost = calibrate_bandwidths(cost_model(cfg, layout, prefill_tokens_per_s), cfg, device_pool, host_pool,
                                 copier, l3)
     sched = cfg.scheduler

@@ -68,6 +68,10 @@ class L3Config:
     queue_pages: int = 4096  # bounded queue of pending L3 writes; beyond it demotions are dropped
     sync_batch_pages: int | None = None  # pages per fdatasync + index commit; None: max(32, 64 MiB of pages)
     admission_hits: int = 0  # write a page to L3 only after it was hit this many times (0 = always)
+    # where the store's I/O, checksums and index commits run: "process" (a process of its own, reading and writing
+    # the host pool through shared memory: no interpreter lock shared with the engine thread), "thread" (threads
+    # of the server's process), or "auto": process with a CUDA model unless GPUDirect Storage is active
+    worker: Literal["auto", "process", "thread"] = "auto"
 
 
 @dataclass(frozen=True)

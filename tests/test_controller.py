@@ -28,9 +28,15 @@ class Harness:
     """A controller on tiny CPU pools, with an engine stand-in that computes 'KV' deterministically."""
 
     def __init__(self, device=4, host=8, disk=16, policy=None, cost=None, l3=None, copier=None, worker=None,
-                 prefetch=True):
+                 prefetch=True, l3_process=None):
         self.dev = DevicePool(LAYOUT, device, torch.float32, "cpu")
-        self.host = HostPool(LAYOUT, host, torch.float32) if host else None
+        self.host = HostPool(LAYOUT, host, torch.float32, shared=l3_process is not None) if host else None
+        self.process = None
+        if l3_process is not None:  # store arguments: the L3 in a process of its own, over the shared host pool
+            from controller.l3_process import L3Process
+
+            self.process = L3Process(self.host, l3_process, threads=2, queue_pages=64, batch_pages=4)
+            l3, worker = self.process.store, (lambda _: self.process.worker)
         self.l3 = l3 if l3 is not None else (MemoryL3(disk, LAYOUT.page_bytes) if disk else None)
         if copier is not None:
             copier = copier(self.dev, self.host)
@@ -61,9 +67,16 @@ class Harness:
         for i, p in enumerate(pages):
             assert torch.all(self.dev.kv[:, :, p] == page_value(tokens, i))
         self.ctrl.release(ticket)
+        if self.process is not None:  # asynchronous L3 writes: let them land, so that what follows is determined
+            assert self.ctrl.worker.wait_idle(30)
         self.ctrl.poll()
         self.ctrl.check_integrity()
         return dict(ticket.hit_pages)
+
+    def close(self) -> None:
+        self.ctrl.close()
+        if self.process is not None:
+            self.process.store.close()
 
     def check_all_bytes(self) -> None:
         """Every page any tier holds equals what was computed for it."""
@@ -104,6 +117,27 @@ def test_write_through_then_hits_from_each_tier():
     assert s["pages_promoted"]["disk->host"] == 2 and s["pages_demoted"]["device->host"] >= 5
     assert s["evictions"][DEVICE] > 0 and s["evictions"][HOST] > 0
     h.check_all_bytes()
+
+
+def test_write_through_then_hits_from_each_tier_with_the_l3_in_its_own_process(tmp_path):
+    """The same sequence as above, the store in a process of its own: same hits, and every byte as computed."""
+    args = dict(path=str(tmp_path / "l3"), capacity_bytes=32 * 4096, page_bytes=LAYOUT.page_bytes,
+                namespace=b"controller-test1", io_backend="buffered", io_threads=2, sync_batch_pages=4)
+    h = Harness(device=3, host=6, l3_process=args)
+    try:
+        assert h.run(seq(1, 2)) == {}
+        assert h.run(seq(1, 2)) == {DEVICE: 2}
+        h.run(seq(2, 3))
+        assert h.run(seq(1, 2)) == {HOST: 2}
+        for b in (3, 4, 5):
+            h.run(seq(b, 3))
+        assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).disk_pages == 2
+        assert h.run(seq(1, 2)) == {DISK: 2}  # read by the child into the shared host pool, then copied up
+        assert h.ctrl.stats.snapshot()["hit_tokens"] == {DEVICE: 4, HOST: 4, DISK: 4}
+        assert h.l3.stats()["reads"] >= 2
+        h.check_all_bytes()
+    finally:
+        h.close()
 
 
 DEFER = WritePolicy("write_through", "write_through", defer_above_free=0.5)

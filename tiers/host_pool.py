@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tiers.base import AllocatorBacked, KVLayout, PageAllocator
-from tiers.pinned import pinned_empty
+from tiers.pinned import pinned_empty, shared_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +48,13 @@ class HostPool(AllocatorBacked):
 
     `buffer` is [pages][layers][k|v][page_size][kv_heads][head_dim]; `page_view(i)` is page i as a
     contiguous 1-D uint8 tensor, the unit the L3 store reads and writes.
+
+    `shared`: the memory is a memfd (`share_fd`) that another process can map, so that an L3 store running in
+    a process of its own (controller/l3_process.py) reads and writes the pages in place.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype, pin_memory: bool | None = None):
+    def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype, pin_memory: bool | None = None,
+                 shared: bool = False):
         if num_pages <= 0:
             raise ValueError(f"host pool needs at least one page, got {num_pages}")
         self.layout = layout
@@ -61,9 +67,16 @@ class HostPool(AllocatorBacked):
         shape = (num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim)
         nbytes = num_pages * self.page_bytes
         _check_fits(nbytes)
+        self.share_fd: int | None = None
+        memory = None
+        if shared:
+            memory, self.share_fd = shared_buffer(nbytes)
+            weakref.finalize(self, os.close, self.share_fd)  # the mapping outlives the descriptor
         if pin_memory:  # faulted in by several threads, then registered at once (tiers/pinned.py)
             logger.info("pinning %.1f GiB of host memory for the host pool", nbytes / 2**30)
-            self.buffer = pinned_empty(shape, dtype)
+            self.buffer = pinned_empty(shape, dtype, shared=memory)
+        elif memory is not None:
+            self.buffer = memory.view(dtype).view(shape)
         else:
             self.buffer = torch.empty(shape, dtype=dtype)
         self._bytes = self.buffer.view(num_pages, -1).view(torch.uint8)

@@ -54,6 +54,21 @@ def anonymous_buffer(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
+def shared_buffer(nbytes: int, name: str = "hicache-host-pool") -> tuple[torch.Tensor, int]:
+    """A 1-D uint8 tensor over a fresh memfd mapped MAP_SHARED, and the memfd: another process (the L3 process,
+    controller/l3_process.py) maps the same memory through that descriptor, so it reads and writes the pages in
+    place. The tensor's storage keeps the mapping alive (never `close()` it: see `anonymous_buffer`); the caller
+    owns the descriptor. memfd memory is shmem: transparent huge pages only where shmem_enabled allows them."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return torch.frombuffer(mapping, dtype=torch.uint8), fd
+
+
 def _torch_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
@@ -73,18 +88,25 @@ def _unregister(ptr: int) -> None:
         logger.warning("cudaHostUnregister of the host pool's memory failed: %s", err)
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, threads: int | None = None) -> torch.Tensor:
-    """An uninitialised (in fact zeroed) page-locked CPU tensor of `shape`, pinned as the module doc says."""
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, threads: int | None = None,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
+    """An uninitialised (in fact zeroed) page-locked CPU tensor of `shape`, pinned as the module doc says.
+
+    `shared`: pin this 1-D uint8 buffer (from `shared_buffer`) instead of a fresh private mapping; there a refused
+    registration raises, since torch's own pinned memory could not be shared.
+    """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
+    if nbytes == 0 and shared is None:
         return _torch_pinned(shape, dtype)
     threads = threads or min(_MAX_TOUCH_THREADS, os.cpu_count() or 1)
     start = time.perf_counter()
-    flat = anonymous_buffer(nbytes)
+    flat = anonymous_buffer(nbytes) if shared is None else shared[:nbytes]
     touch_in_parallel(flat, threads)
     touched = time.perf_counter()
     err = _register(flat.data_ptr(), nbytes)
     if err is not None:
+        if shared is not None:
+            raise RuntimeError(f"cudaHostRegister of the shared host pool ({nbytes / 2**30:.1f} GiB) refused: {err}")
         del flat
         logger.warning("cudaHostRegister of %.1f GiB refused (%s): pinning with torch instead, page by page",
                        nbytes / 2**30, err)

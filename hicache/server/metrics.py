@@ -17,7 +17,7 @@ from radix import DEVICE, DISK, HOST, TIERS
 
 PROMOTIONS = ((HOST, DEVICE), (DISK, HOST), (DISK, DEVICE))
 DEMOTIONS = ((DEVICE, HOST), (HOST, DISK), (DEVICE, DISK))
-L3_STATES = ("ok", "probing", "degraded", "read_only", "disabled")
+L3_STATES = ("ok", "probing", "degraded", "read_only", "gone", "disabled")
 L3_COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "hits", "misses", "checksum_failures",
                "read_errors", "write_errors", "evictions", "fsyncs")
 # latency buckets in seconds, from 1 ms (a GPU prefix hit) to minutes (a long queue)

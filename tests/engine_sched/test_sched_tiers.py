@@ -190,6 +190,12 @@ def test_prefix_from_disk(sharp, baseline, tmp_path, mode):
     served(sharp, baseline, "disk", **disk_tiers(tmp_path), **LOAD_MODES[mode])
 
 
+def test_prefix_from_disk_through_the_l3_process(sharp, baseline, tmp_path):
+    """The store in a process of its own (cache.l3.worker: process), the host pool shared with it: same tokens."""
+    served(sharp, baseline, "disk", **disk_tiers(tmp_path), cache__l3__worker="process",
+           **LOAD_MODES["loads-after-forward"])
+
+
 def test_prefix_recomputed(sharp, baseline):
     served(sharp, baseline, "none", cache__device__size_tokens=12 * PAGE)
 
