@@ -87,3 +87,42 @@ def test_available_memory_reads_meminfo():
 
     available = available_memory_bytes()
     assert available is None or available > 0
+
+
+def test_shared_buffer_is_seen_by_another_mapping_of_its_descriptor():
+    import mmap
+    import os
+
+    buf, fd = pinned.shared_buffer(1 << 16)
+    try:
+        other = torch.frombuffer(mmap.mmap(fd, 1 << 16, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+        buf[1000:1010] = 42
+        assert int(other[1000:1010].sum()) == 420 and int(other.sum()) == 420  # one memory, not a copy
+    finally:
+        os.close(fd)
+
+
+def test_a_refused_registration_of_shared_memory_raises_instead_of_falling_back(monkeypatch):
+    import os
+
+    monkeypatch.setattr(pinned, "_register", lambda ptr, n: "cudaErrorNotPermitted")
+    buf, fd = pinned.shared_buffer(4096)
+    try:
+        with pytest.raises(RuntimeError, match="shared host pool.*cudaErrorNotPermitted"):
+            pinned.pinned_empty((1024,), torch.float32, shared=buf)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_host_pool_is_pinned_and_copies_both_ways():
+    from tiers import HostPool, KVLayout
+
+    pool = HostPool(KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, itemsize=2), 8,
+                    torch.bfloat16, shared=True)
+    assert pool.pinned and pool.buffer.is_pinned() and pool.share_fd is not None
+    src = torch.randn(pool.buffer.shape, device="cuda").bfloat16()
+    pool.buffer.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(pool.buffer.to("cuda", non_blocking=True), src)

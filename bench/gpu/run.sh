@@ -20,7 +20,7 @@
 #              enqueue]
 #   ttft       multi-turn TTFT through the server: 32 clients x 8 rounds x 1,024-token questions, GPU KV 8 GiB; a
 #              whole GPU-only warm-up run (WARMUP [1]), then ARMS [gpu_only host gpu_only host host_l3] (host: 48 GiB;
-#              host_l3: 12 GiB host + 30 GiB L3), each with a step log; GPU clocks logged. OUT_LEN [8] answer
+#              host12: 12 GiB, no L3; host_l3: 12 GiB host + 30 GiB L3), each with a step log; GPU clocks logged. OUT_LEN [8] answer
 #              tokens; EXTRA: more serve flags for every arm; TRACE=FIRST:COUNT adds a host run under --trace-gpu
 #   noloss     no reuse: single-turn random prompts, tiers off, then host 16 GiB + L3 24 GiB once per write-through
 #              deferral in DEFERS [0.25 1.0]; cases NR_CASES [2k 32k] (32 x 2k in / 256 out, 8 x 32k in / 8 out);
@@ -30,10 +30,11 @@
 #   inprocess  bench/gpu/tier_overhead.py, no server: the no-reuse cost of write-through (fresh and full GPU pool,
 #              kernel tables) and a multi-turn run's GPU timeline (rounds 2, 3 and 6). PARTS [noreuse multiturn]
 #   agent      coding-agent sessions through the server (`hicache bench agent`): a synthesized workload (`bench
-#              agent-gen`: 12 sessions x 10 turns, first prompts 15k-48k tokens, seed 1; ~62 GiB of KV in all), every
+#              agent-gen`: AGENT_GEN [--sessions 12 --turns 10:10 --context 15000:48000 --seed 1]: ~67 GiB of KV), every
 #              session at once, 16-token answers, GPU KV 8 GiB; a warm-up server on the first 2 sessions (WARMUP [1]),
 #              then ARMS [gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never] (host48 / host12:
-#              48 / 12 GiB host, no L3; _l3disk / _l3shm: 12 GiB host + 30 GiB L3 in /tmp or /dev/shm; _never: L3 on
+#              48 / 12 GiB host, no L3; _l3disk: 12 GiB host + 30 GiB L3 in /tmp; _l3shm: 12 GiB host + 64 GiB L3 in
+#              /dev/shm (fast storage that holds the working set); _never: L3 on
 #              disk with --load-mode never), each with a step log and its server's /metrics. AGENT_LIMIT [540] s per
 #              arm; the whole list does not fit one device command: pass a few ARMS at a time. EXTRA as above
 set -u
@@ -165,6 +166,7 @@ ttft() {
   local client="python3 -m hicache.cli bench multiturn --url \$URL --clients 32 --rounds 8 --request-length 1024"
   local gpu="--device-tokens 65536 --host-tokens 0 --no-l3"
   local host="--device-tokens 65536 --host-tokens 393216 --no-l3"
+  local host12="--device-tokens 65536 --host-tokens 98304 --no-l3"
   local host_l3="--device-tokens 65536 --host-tokens 98304 --disk-tokens 245760 --l3-path /tmp/hicache-l3"
   # SM clock, temperature and power every 2 s: the GPU-only runs sit at the board's power limit
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu --format=csv \
@@ -178,8 +180,9 @@ ttft() {
     case $arm in
       gpu_only) flags=$gpu ;;
       host) flags=$host ;;
+      host12) flags=$host12 ;;
       host_l3) flags=$host_l3 ; rm -rf /tmp/hicache-l3 ;;
-      *) echo "ttft: unknown arm $arm (gpu_only, host, host_l3)"; continue ;;
+      *) echo "ttft: unknown arm $arm (gpu_only, host, host12, host_l3)"; continue ;;
     esac
     name=mt${n}_${arm}_$i
     serve "$name" $((port + i)) 170 "==|metrics" "$flags $EXTRA --step-log $OUT/$name.steps.jsonl" \
@@ -260,7 +263,8 @@ agent() {
   local port=8400 i=0 name flags l3 limit=${AGENT_LIMIT:-540}
   local work=$OUT/workload dev="--device-tokens 65536"  # 8 GiB at 128 KiB a token, as ttft
   local host12="$dev --host-tokens 98304" l3size="--disk-tokens 245760"  # 12 GiB host; 30 GiB L3, as ttft's host_l3
-  timeout 60 python3 -m hicache.cli bench agent-gen --sessions 12 --turns 10:10 --context 15000:48000 --seed 1 \
+  # shellcheck disable=SC2086  # AGENT_GEN is a list of flags
+  timeout 60 python3 -m hicache.cli bench agent-gen ${AGENT_GEN:---sessions 12 --turns 10:10 --context 15000:48000 --seed 1} \
     --out "$work" 2>&1 | tee "$OUT/workload.txt"
   local client="python3 -m hicache.cli bench agent $work --url \$URL --output-length 16"
   [ "${WARMUP:-1}" = 1 ] && serve warmup_agent_gpu_only $port 240 "==|sessions" "$dev --host-tokens 0 --no-l3 $EXTRA" \
@@ -273,7 +277,7 @@ agent() {
       host48) flags="$dev --host-tokens 393216 --no-l3" ;;
       host12) flags="$host12 --no-l3" ;;
       host12_l3disk) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3" ;;
-      host12_l3shm) l3=/dev/shm/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3" ;;
+      host12_l3shm) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3" ;;
       host12_l3disk_never) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3 --load-mode never" ;;
       *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never)"
          continue ;;
