@@ -39,6 +39,20 @@ WRITE_REFUSALS = {"not_admitted": "not_admitted", "busy": "l3_busy", "degraded":
 FLUSH_SLICE_BYTES = 1 << 30
 
 
+class AllTransfers:
+    """Several copies in flight as one handle."""
+
+    def __init__(self, handles: list[TransferHandle]):
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
 class TierWrites:
     """When one tier's pages are copied to the tier below (see the module doc). The base copies never."""
 
@@ -236,6 +250,8 @@ class Writes:
         with it the bytes are copied first so the host pages can be freed now."""
         if node.on_disk or node.id in self.transfers.writing or not node.on_host:
             return node.on_disk
+        if handle is None:  # a write asked for later (a hit, an eviction) may still find its host copy landing
+            handle = self._copy_in_flight(node)
         parts = []
         while node.num_pages > self.max_write_pages:
             parts.append(self.tree.split(node, self.max_write_pages))  # the upper part: the first pages
@@ -246,6 +262,18 @@ class Writes:
                 self.stats.drops[refused] += sum(p.num_pages for p in parts[i:])
                 return False
         return True
+
+    def _copy_in_flight(self, node: TreeNode) -> TransferHandle | None:
+        """The GPU -> host copies that fill this node's host pages and have not landed yet, as one handle (None:
+        none). The L3 checksums and writes the host pages: read before the copy lands, the stored checksum
+        would not match the stored bytes (or, staged, the wrong bytes would be stored)."""
+        if not node.on_device:
+            return None  # its GPU pages were freed, which waits for their copies (Eviction.free_device_pages)
+        backups = self.transfers.backups
+        pending = {id(h): h for p in node.device_pages if (h := backups.get(p)) is not None and not h.done()}
+        if not pending:
+            return None
+        return next(iter(pending.values())) if len(pending) == 1 else AllTransfers(list(pending.values()))
 
     def _write_part(self, node: TreeNode, handle: TransferHandle | None, bounce: bool) -> str | None:
         """Queue one write of at most `max_write_pages`; None, or the reason it was refused."""

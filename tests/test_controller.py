@@ -282,6 +282,34 @@ def test_eviction_waits_only_for_copies_of_the_evicted_pages():
     h.ctrl.check_integrity()
 
 
+def test_a_later_disk_write_waits_for_the_host_copy_still_landing():
+    """The commit-time L3 write is refused (queue full); a hit asks again while the GPU -> host copy is in flight:
+    the write must wait for that copy, or the L3 would checksum and store half-copied pages."""
+
+    class RefusingWorker(L3Worker):
+        def __init__(self, store):
+            super().__init__(store, synchronous=True)
+            self.refuse, self.befores = True, []
+
+        def submit_write(self, token, keys, pages, before=None):
+            if self.refuse:
+                return False
+            self.befores.append(before)
+            return super().submit_write(token, keys, pages, before)
+
+    h = Harness(device=4, host=8, copier=SlowCopier, worker=RefusingWorker)
+    h.run(seq(1, 2))
+    worker, copier = h.ctrl.worker, h.copier
+    assert h.ctrl.stats.drops["l3_queue_full"] == 2 and copier.handles and not copier.handles[0].landed
+    worker.refuse = False
+    h.run(seq(1, 2))  # a GPU hit: write-through asks for the disk copy again
+    assert len(worker.befores) == 1 and worker.befores[0] is not None
+    assert ("host wait", copier.handles[0]) in copier.log  # the write waited for the copy before reading the pages
+    copier.handles[0].landed = True
+    node = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
+    assert node.on_disk and h.ctrl.writes._copy_in_flight(node) is None
+
+
 class GatedL3(MemoryL3):
     """MemoryL3 whose writes wait for `gate`: an L3 write stays in flight as long as a test needs."""
 

@@ -34,7 +34,7 @@
 #              session at once, 16-token answers, GPU KV 8 GiB; a warm-up server on the first 2 sessions (WARMUP [1]),
 #              then ARMS [gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never] (host48 / host12:
 #              48 / 12 GiB host, no L3; _l3disk: 12 GiB host + 30 GiB L3 in /tmp; _l3shm: 12 GiB host + 64 GiB L3 in
-#              /dev/shm (fast storage that holds the working set); _never: L3 on
+#              /dev/shm (fast storage that holds the working set; _overlap: with --load-overlap); _never: L3 on
 #              disk with --load-mode never), each with a step log and its server's /metrics. AGENT_LIMIT [540] s per
 #              arm; the whole list does not fit one device command: pass a few ARMS at a time. EXTRA as above
 set -u
@@ -278,8 +278,9 @@ agent() {
       host12) flags="$host12 --no-l3" ;;
       host12_l3disk) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3" ;;
       host12_l3shm) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3" ;;
+      host12_l3shm_overlap) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3 --load-overlap" ;;
       host12_l3disk_never) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3 --load-mode never" ;;
-      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never)"
+      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3shm_overlap host12_l3disk_never)"
          continue ;;
     esac
     [ -n "$l3" ] && rm -rf "$l3"
