@@ -85,11 +85,25 @@ class Eviction:
         elif tier == DEVICE:
             self.free_device_pages(pages)
         else:
-            self.host.free(pages)
+            self.free_host_pages(pages)
         if node.removed:
             self.transfers.forget(node)
         self.free_nodes(orphans)
         return n
+
+    def free_host_pages(self, pages: Sequence[int]) -> None:
+        """Free tree-owned host pages once no GPU -> host copy is still filling them: the next owner (a disk read,
+        another copy) would otherwise have its bytes overwritten by the copy landing late. Host copies of pages
+        about to be evicted from host have nearly always landed, so this rarely blocks."""
+        fills = self.transfers.host_fills
+        waits = {}
+        for p in pages:
+            handle = fills.pop(p, None)
+            if handle is not None and not handle.done():
+                waits[id(handle)] = handle
+        for handle in waits.values():
+            handle.wait()
+        self.host.free(pages)
 
     def free_device_pages(self, pages: Sequence[int]) -> None:
         """Free tree-owned GPU pages. Compute may overwrite them next, so the current stream first waits
@@ -128,7 +142,7 @@ class Eviction:
                 self.free_device_pages(node.device_pages)
                 self.stats.evictions[DEVICE] += node.num_pages
             if node.on_host:
-                self.host.free(node.host_pages)
+                self.free_host_pages(node.host_pages)
                 self.stats.evictions[HOST] += node.num_pages
             if node.on_disk:
                 self.l3.delete(node.disk_keys, wait=False)

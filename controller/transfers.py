@@ -66,6 +66,10 @@ class Transfers:
         self.writing: dict[int, TreeNode] = {}  # node id -> node with an L3 write in flight
         self.bounced: set[int] = set()  # node ids whose L3 write carries its own copy of the bytes
         self.backups: dict[int, TransferHandle] = {}  # GPU page -> its latest GPU -> host copy (may be in flight)
+        # host page -> the GPU -> host copy filling it (may be in flight; kept after the GPU page is freed, which
+        # only makes the GPU wait): a disk write of the page must wait for it. Done handles are left to be
+        # overwritten when the page is filled again; at most one per host page.
+        self.host_fills: dict[int, TransferHandle] = {}
         self.invalid: dict[int, TreeNode] = {}  # nodes whose data is bad, removed once unlocked and unpinned
         tree.split_listeners.append(self._split)
 

@@ -238,6 +238,7 @@ class Writes:
         handle = self.copier.to_host(node.device_pages, host_pages)
         if handle is not COMPLETED:
             self.transfers.backups.update(dict.fromkeys(node.device_pages, handle))
+            self.transfers.host_fills.update(dict.fromkeys(host_pages, handle))
         self.tree.set_location(node, HOST, host_pages)
         self.stats.moved(DEVICE, HOST, n, self.page_bytes)
         if self.to_disk.on_commit(node):
@@ -266,11 +267,10 @@ class Writes:
     def _copy_in_flight(self, node: TreeNode) -> TransferHandle | None:
         """The GPU -> host copies that fill this node's host pages and have not landed yet, as one handle (None:
         none). The L3 checksums and writes the host pages: read before the copy lands, the stored checksum
-        would not match the stored bytes (or, staged, the wrong bytes would be stored)."""
-        if not node.on_device:
-            return None  # its GPU pages were freed, which waits for their copies (Eviction.free_device_pages)
-        backups = self.transfers.backups
-        pending = {id(h): h for p in node.device_pages if (h := backups.get(p)) is not None and not h.done()}
+        would not match the stored bytes (or, staged, the wrong bytes would be stored). Freeing the node's GPU
+        pages does not end the copy for the host: it only makes the GPU wait for it."""
+        fills = self.transfers.host_fills
+        pending = {id(h): h for p in node.host_pages if (h := fills.get(p)) is not None and not h.done()}
         if not pending:
             return None
         return next(iter(pending.values())) if len(pending) == 1 else AllTransfers(list(pending.values()))

@@ -310,6 +310,32 @@ def test_a_later_disk_write_waits_for_the_host_copy_still_landing():
     assert node.on_disk and h.ctrl.writes._copy_in_flight(node) is None
 
 
+def test_a_disk_write_of_a_node_gone_from_the_gpu_still_waits_for_its_host_copy():
+    """Freeing GPU pages only makes the GPU wait for their copy to host: the host pages may still be filling when
+    the node, now on host only, is written to disk on a hit."""
+
+    class RefusingWorker(L3Worker):
+        def __init__(self, store):
+            super().__init__(store, synchronous=True)
+            self.refuse, self.befores = True, []
+
+        def submit_write(self, token, keys, pages, before=None):
+            if self.refuse:
+                return False
+            self.befores.append(before)
+            return super().submit_write(token, keys, pages, before)
+
+    h = Harness(device=4, host=8, copier=SlowCopier, worker=RefusingWorker)
+    h.run(seq(1, 2))  # GPU + host (copy in flight), the disk write refused
+    h.run(seq(2, 3))  # evicts seq 1 from the GPU: its copy is still "in flight"
+    node = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
+    assert not node.on_device and node.on_host and not h.copier.handles[0].landed
+    h.ctrl.worker.refuse = False
+    assert h.ctrl.writes.write_to_disk(node)
+    assert len(h.ctrl.worker.befores) == 1 and h.ctrl.worker.befores[0] is not None
+    assert ("host wait", h.copier.handles[0]) in h.copier.log
+
+
 class GatedL3(MemoryL3):
     """MemoryL3 whose writes wait for `gate`: an L3 write stays in flight as long as a test needs."""
 
