@@ -12,8 +12,8 @@ A policy is a strategy object that answers three events for a node: it was just 
 GPU -> host copies go through the copier; host -> L3 writes through the L3 worker's bounded queue.
 A node larger than the largest write the queue takes is split and written in parts. A write that
 cannot be made is dropped and counted in `stats.drops` by reason: `host_full`, `l3_queue_full`,
-`disk_full`, and for what the L3 store refuses `not_admitted` (its admission rule, `cache.l3.admission_hits`),
-`l3_busy`, `l3_degraded` or `l3_write_failed`.
+`disk_full`, `l3_gone` (the L3 process died), and for what the L3 store refuses `not_admitted` (its admission
+rule, `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
 """
 
 from __future__ import annotations
