@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv install test lint serve bench clean
+.PHONY: venv install test lint serve serve-shared bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,19 @@ test: install lint
 
 serve: install
 	$(BIN)/hicache serve --config configs/default.yaml --host $(HOST) --port $(PORT)
+
+# the shared tier on one machine: a Valkey on 127.0.0.1:$(VALKEY_PORT) and two servers sharing it, on $(PORT) and
+# $(PORT)+1 (docs/shared-tier.md); Ctrl-C stops all three
+VALKEY_PORT ?= 6390
+serve-shared: install
+	@trap 'kill 0' INT TERM EXIT; \
+	$(BIN)/python -m hicache.valkey_local --port $(VALKEY_PORT) --maxmemory 2gb & \
+	sleep 1; \
+	for i in 0 1; do \
+	  $(BIN)/hicache serve --config configs/default.yaml --host $(HOST) --port $$(($(PORT) + i)) --no-l3 \
+	    --remote-url redis://127.0.0.1:$(VALKEY_PORT)/0 --set cache.write_policy.host_to_disk=write_through & \
+	done; \
+	wait
 
 bench:
 	$(BIN)/python bench/radix_bench.py

@@ -43,6 +43,7 @@ import torch
 
 from controller.l3_io import Completion, L3Worker
 from tiers.l3.format import L3Error
+from tiers.remote import RemoteAddress
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +91,14 @@ def _describe(e: BaseException) -> tuple[str, int | None, str]:
 
 
 def _child(spec: dict, async_conn: Connection, rpc_conn: Connection) -> int:
-    from tiers.l3 import L3Store
+    from tiers.persistent import open_persistent
 
     page_bytes = spec["page_bytes"]
     pool = _map(spec["pool_fd"], spec["pool_pages"] * page_bytes).view(-1, page_bytes)
     staging = _map(spec["staging_fd"], spec["staging_pages"] * page_bytes).view(-1, page_bytes)
     pages = _Pages(pool, staging, page_bytes)
     try:
-        store = L3Store(**spec["store"])
+        store = open_persistent(spec["store"], spec["remote"], spec["remote_pages"])
     except Exception as e:  # noqa: BLE001 - every failure to open goes back to the parent, which raises it
         rpc_conn.send(("err", _describe(e)))
         return 1
@@ -174,6 +175,8 @@ def _answer(store: Any, pages: _Pages, conn: Connection) -> None:
                 value = store.delete(args[0], wait=True)
             elif method == "write_pages":
                 value = store.write_pages(args[0], [pages.buffer(r) for r in args[1]])
+            elif method == "discard":
+                value = getattr(store, "discard", store.delete)(args[0])
             elif method == "read_pages":
                 value = store.read_pages(args[0], [pages.buffer(r) for r in args[1]])
             elif method in _STORE_CALLS:
@@ -286,6 +289,9 @@ class RemoteStore:
         if not wait:
             return self._link.call("delete_nowait", list(keys), reply=False)
         return self._link.call("delete", list(keys), default=0)
+
+    def discard(self, keys: Sequence[bytes]) -> int:
+        return self._link.call("discard", list(keys), default=0)
 
     def note_hit(self, keys: Sequence[bytes]) -> None:
         self._link.send(("note", list(keys)))  # ordered before the write it precedes
@@ -500,12 +506,15 @@ class RemoteWorker:
 class L3Process:
     """Start the L3 store in a process of its own; `store` and `worker` are its two faces."""
 
-    def __init__(self, host: Any, store_args: dict, threads: int, queue_pages: int, batch_pages: int,
-                 staging_pages: int | None = None) -> None:
+    def __init__(self, host: Any, store_args: dict | None, threads: int, queue_pages: int, batch_pages: int,
+                 staging_pages: int | None = None, remote_args: dict | None = None, remote_pages: int = 0) -> None:
+        """store_args: the local L3 store's (`L3Store`'s arguments), remote_args the shared tier's
+        (`tiers.remote.RemoteStore`'s); either may be None (tiers/persistent.py)."""
         if getattr(host, "share_fd", None) is None:
             raise ValueError("the L3 process needs a host pool in shared memory (HostPool(shared=True))")
         page_bytes = host.page_bytes
-        self.path = os.path.abspath(os.fspath(store_args["path"]))
+        self.path = (os.path.abspath(os.fspath(store_args["path"])) if store_args is not None
+                     else str(RemoteAddress.parse(remote_args["url"])))
         staging_pages = queue_pages if staging_pages is None else staging_pages
         staging_fd = os.memfd_create("hicache-l3-staging", os.MFD_CLOEXEC)
         try:
@@ -513,7 +522,8 @@ class L3Process:
             staging = _map(staging_fd, staging_pages * page_bytes).view(-1, page_bytes)
             pool = host.buffer.view(host.capacity_pages, -1).view(torch.uint8)
             self._pages = _Pages(pool, staging, page_bytes)
-            link = self._start(host, staging_fd, staging_pages, store_args, threads, batch_pages)
+            link = self._start(host, staging_fd, staging_pages, threads, batch_pages,
+                               {"store": store_args, "remote": remote_args, "remote_pages": remote_pages})
         finally:
             os.close(staging_fd)  # the mapping and the child's copy keep the memory
         status, value = self._first_answer(link)
@@ -528,8 +538,8 @@ class L3Process:
         logger.info("%s: L3 store open in process %d, %d pages, io_backend=%s", self.path, link.proc.pid,
                     self.store.capacity_pages, self.store.io_backend)
 
-    def _start(self, host: Any, staging_fd: int, staging_pages: int, store_args: dict, threads: int,
-               batch_pages: int) -> _Link:
+    def _start(self, host: Any, staging_fd: int, staging_pages: int, threads: int, batch_pages: int,
+               stores: dict) -> _Link:
         parent_async, child_async = socket.socketpair()
         parent_rpc, child_rpc = socket.socketpair()
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -543,8 +553,8 @@ class L3Process:
             child_rpc.close()
         link = _Link(proc, Connection(parent_async.detach()), Connection(parent_rpc.detach()), self.path)
         spec = {"pool_fd": host.share_fd, "pool_pages": host.capacity_pages, "page_bytes": host.page_bytes,
-                "staging_fd": staging_fd, "staging_pages": staging_pages, "store": store_args,
-                "threads": threads, "batch_pages": batch_pages, "log_level": logging.getLogger().getEffectiveLevel()}
+                "staging_fd": staging_fd, "staging_pages": staging_pages, **stores, "threads": threads,
+                "batch_pages": batch_pages, "log_level": logging.getLogger().getEffectiveLevel()}
         link.rpc_conn.send(spec)
         return link
 

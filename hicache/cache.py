@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,16 @@ def calibrate_bandwidths(cost: CostModel, cfg: Config, device: DevicePool, host:
     return cost
 
 
+REMOTE_PASSWORD_ENV = "HICACHE_REMOTE_PASSWORD"
+
+
+def _remote_args(cfg: Config, namespace: bytes, page_bytes: int) -> dict:
+    r = cfg.cache.remote
+    return dict(url=r.url, namespace=namespace, page_bytes=page_bytes, username=r.username,
+                password=r.password or os.environ.get(REMOTE_PASSWORD_ENV) or None, key_prefix=r.key_prefix,
+                timeout_s=r.timeout_s, admission_hits=r.admission_hits)
+
+
 def l3_in_process(cfg: Config, device: torch.device) -> bool:
     """Whether the L3 store runs in a process of its own (`cache.l3.worker`, controller/l3_process.py)."""
     mode = cfg.cache.l3.worker
@@ -115,40 +126,43 @@ def build_cache(
     sizes = resolve_sizes(cfg, layout.bytes_per_token)
     ns = namespace_fingerprint(namespace or {})
     tree = RadixTree(cfg.cache.page_size, ns, cfg.cache.eviction_policy)
-    if sizes.disk_pages and not sizes.host_pages:
-        raise ConfigError("cache.l3: the disk tier needs a host tier (cache.host size > 0): "
-                          "pages reach L3 through host memory")
+    if (sizes.disk_pages or sizes.remote_pages) and not sizes.host_pages:
+        tier = "cache.l3" if sizes.disk_pages else "cache.remote"
+        raise ConfigError(f"{tier}: the disk tier needs a host tier (cache.host size > 0): "
+                          "pages reach it through host memory")
     device_pool = DevicePool(layout, sizes.device_pages, TORCH_DTYPES[dtype], device)
-    in_process = bool(sizes.disk_pages) and l3_in_process(cfg, device_pool.device)
+    persistent = bool(sizes.disk_pages or sizes.remote_pages)
+    in_process = persistent and l3_in_process(cfg, device_pool.device)
     host_pool = (HostPool(layout, sizes.host_pages, TORCH_DTYPES[dtype], shared=in_process)
                  if sizes.host_pages else None)
     copier = make_copier(device_pool, host_pool) if host_pool is not None else None
     l3 = worker = None
-    if sizes.disk_pages:
+    if persistent:
         c = cfg.cache.l3
         slot_bytes = -(-layout.page_bytes // 4096) * 4096  # slots are 4 KiB aligned
         # small pages need many per sync: one fdatasync + LMDB commit per 32 x 64 KiB ran at 0.1 of raw
         sync_pages = c.sync_batch_pages or max(32, SYNC_BATCH_BYTES // layout.page_bytes)
         store_args = dict(path=c.path, capacity_bytes=sizes.disk_pages * slot_bytes, page_bytes=layout.page_bytes,
                           namespace=ns, io_backend=c.io_backend, io_threads=c.io_threads,
-                          sync_batch_pages=sync_pages, admission_hits=c.admission_hits)
+                          sync_batch_pages=sync_pages, admission_hits=c.admission_hits) if sizes.disk_pages else None
+        remote_args = _remote_args(cfg, ns, layout.page_bytes) if sizes.remote_pages else None
         if in_process:
             from controller.l3_process import L3Process
 
             proc = L3Process(host_pool, store_args, threads=c.io_threads, queue_pages=c.queue_pages,
-                             batch_pages=sync_pages)
+                             batch_pages=sync_pages, remote_args=remote_args, remote_pages=sizes.remote_pages)
             l3, worker = proc.store, proc.worker
         else:
-            from tiers.l3 import L3Store
+            from tiers.persistent import open_persistent
 
-            l3 = L3Store(**store_args)
+            l3 = open_persistent(store_args, remote_args, sizes.remote_pages)
             worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=sync_pages)
     cost = calibrate_bandwidths(cost_model(cfg, layout, prefill_tokens_per_s), cfg, device_pool, host_pool,
                                 copier, l3)
     sched = cfg.scheduler
     controller = TierController(
         tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost, worker,
-        min(sizes.disk_pages, l3.capacity_pages) if l3 is not None else None,
+        min(sizes.disk_pages + sizes.remote_pages, l3.capacity_pages) if l3 is not None else None,
         prefetch=cfg.cache.load_policy.prefetch,
         launch_later=sched.launch_loads_after_forward or sched.admit_during_forward,
     )

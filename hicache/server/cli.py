@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help=f"port (default {_SERVER.port}; server.port)")
     p.add_argument("--l3-path", help="NVMe store directory (cache.l3.path); the disk tier is on when set")
     p.add_argument("--no-l3", action="store_true", help="disable the disk tier")
+    p.add_argument("--remote-url", metavar="URL",
+                   help="shared tier on a Valkey/Redis server: redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] "
+                        "(cache.remote.url; password also from $HICACHE_REMOTE_PASSWORD)")
     for tier in TIERS:
         note = "at least one page" if tier == DEVICE else "0 disables it"
         p.add_argument(f"--{tier}-tokens", type=int, metavar="N", help=f"{tier} tier capacity in tokens ({note})")
@@ -82,6 +85,7 @@ def build_config(args: argparse.Namespace) -> Config:
         "scheduler.max_running_requests": args.max_running_requests, "scheduler.chunk_tokens": args.chunk_tokens,
         "scheduler.max_context_tokens": args.max_context_tokens,
         "cache.l3.path": args.l3_path,
+        "cache.remote.url": args.remote_url,
     }
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is not None:

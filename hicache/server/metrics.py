@@ -17,6 +17,9 @@ from radix import DEVICE, DISK, HOST, TIERS
 
 PROMOTIONS = ((HOST, DEVICE), (DISK, HOST), (DISK, DEVICE))
 DEMOTIONS = ((DEVICE, HOST), (HOST, DISK), (DEVICE, DISK))
+REMOTE_STATES = ("ok", "down", "auth_failed", "disabled")
+REMOTE_COUNTERS = ("reads", "read_bytes", "hits", "misses", "vanished", "bad_values", "writes", "write_bytes",
+                   "write_refused", "not_admitted", "full", "probes", "probe_hits", "errors", "reconnects")
 L3_STATES = ("ok", "probing", "degraded", "read_only", "gone", "disabled")
 L3_COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "hits", "misses", "checksum_failures",
                "read_errors", "write_errors", "evictions", "fsyncs")
@@ -132,6 +135,18 @@ class CacheCollector:
             ops = CounterMetricFamily("hicache_l3_operations", "L3 store counters", labels=["op"])
             for name in L3_COUNTERS:
                 ops.add_metric([name], l3.get(name, 0))
+            yield ops
+        remote = (l3 or {}).get("remote")
+        state = remote["state"] if remote else "disabled"
+        family = GaugeMetricFamily("hicache_remote_state", "Shared tier state (1 for the current one)",
+                                   labels=["state"])
+        for name in sorted(set(REMOTE_STATES) | {state}):
+            family.add_metric([name], 1.0 if name == state else 0.0)
+        yield family
+        if remote:
+            ops = CounterMetricFamily("hicache_remote_operations", "Shared tier counters", labels=["op"])
+            for name in REMOTE_COUNTERS:
+                ops.add_metric([name], remote.get(name, 0))
             yield ops
 
     def _scheduler(self, s: dict[str, Any]) -> Iterator[Metric]:

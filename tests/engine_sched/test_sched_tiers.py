@@ -196,6 +196,49 @@ def test_prefix_from_disk_through_the_l3_process(sharp, baseline, tmp_path):
            **LOAD_MODES["loads-after-forward"])
 
 
+def _shared_tiers(url: str, prefix: str, **more) -> dict:
+    return {"cache__device__size_tokens": 12 * PAGE, "cache__host__size_tokens": 12 * PAGE,
+            "cache__remote__url": url, "cache__remote__key_prefix": prefix, "cache__remote__size_tokens": 4096,
+            "cache__write_policy__defer_above_free": 1.0, "cache__write_policy__host_to_disk": "write_through",
+            **more}
+
+
+@pytest.mark.parametrize("local_l3", [False, True])
+def test_a_prefix_computed_on_one_server_is_a_shared_hit_on_another(sharp, baseline, valkey, tmp_path, local_l3):
+    """Two servers, one Valkey: A's prefix, computed by the first, is read from the shared tier by the second (an
+    empty GPU, host and local disk) and gives the same greedy tokens."""
+    prefix = f"share-{tmp_path.name}"
+    more = lambda name: ({"cache__l3__path": str(tmp_path / name), "cache__l3__size_gib": None,  # noqa: E731
+                          "cache__l3__size_tokens": 4096} if local_l3 else {})
+    first = make_engine(sharp, cache__page_size=PAGE, **_shared_tiers(valkey.url, prefix, **more("a")))
+    calibration = first.cache.l3.stats()["remote"]["writes"]  # the bandwidth calibration's pages, deleted since
+    assert generate(first, [A])[0][0] == baseline[0]
+    settle_l3(first)
+    written = first.cache.l3.stats()["remote"]["writes"] - calibration
+    first.close()
+    full = len(first.tokenizer.encode(A)) // PAGE * PAGE
+    assert written >= full // PAGE  # the prompt's full pages, and those the answer filled
+    second = make_engine(sharp, cache__page_size=PAGE, **_shared_tiers(valkey.url, prefix, **more("b")))
+    calibration = second.cache.l3.stats()["remote"]["hits"]
+    ids, _, out = generate(second, [A])[0]
+    assert out.usage.cached_tokens["disk"] == full and ids == baseline[0]
+    remote = second.cache.l3.stats()["remote"]
+    assert remote["hits"] - calibration == full // PAGE and remote["bad_values"] == 0
+    second.close()
+
+
+def test_a_shared_tier_that_is_down_serves_by_recomputing(sharp, baseline):
+    from hicache.valkey_local import free_port
+
+    engine = make_engine(sharp, cache__page_size=PAGE,
+                         **_shared_tiers(f"redis://127.0.0.1:{free_port()}/0", "down", cache__remote__timeout_s=0.5))
+    assert engine.cache.l3.stats()["remote"]["state"] == "down"
+    for _ in range(2):
+        ids, _, out = generate(engine, [A])[0]
+        assert ids == baseline[0]
+    engine.close()
+
+
 def test_prefix_recomputed(sharp, baseline):
     served(sharp, baseline, "none", cache__device__size_tokens=12 * PAGE)
 
