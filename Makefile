@@ -33,12 +33,13 @@ serve: install
 # $(PORT)+1 (docs/shared-tier.md); Ctrl-C stops all three
 VALKEY_PORT ?= 6390
 serve-shared: install
-	@trap 'kill 0' INT TERM EXIT; \
-	$(BIN)/python -m hicache.valkey_local --port $(VALKEY_PORT) --maxmemory 2gb & \
+	@pids=; trap 'kill -INT $$pids 2>/dev/null; wait' INT TERM; \
+	$(BIN)/python -m hicache.valkey_local --port $(VALKEY_PORT) --maxmemory 2gb & pids=$$!; \
 	sleep 1; \
 	for i in 0 1; do \
 	  $(BIN)/hicache serve --config configs/default.yaml --host $(HOST) --port $$(($(PORT) + i)) --no-l3 \
 	    --remote-url redis://127.0.0.1:$(VALKEY_PORT)/0 --set cache.write_policy.host_to_disk=write_through & \
+	  pids="$$pids $$!"; \
 	done; \
 	wait
 
