@@ -84,7 +84,7 @@ class TierController:
                              self.transfers, self.stats, to_host, to_disk, self.page_bytes)
         self.loads = Loads(tree, device, self.host, self.copier, self.worker, self.eviction, self.transfers,
                            self.stats, cost or CostModel(tree.page_size, device.page_bytes),
-                           prefetch and l3 is not None)
+                           prefetch and l3 is not None, shared_pages=getattr(self.l3, "shared_pages", None))
         self._private: set[int] = set()  # GPU pages handed to callers, not yet in the tree
 
     @property

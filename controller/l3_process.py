@@ -104,7 +104,8 @@ def _child(spec: dict, async_conn: Connection, rpc_conn: Connection) -> int:
         return 1
     # the parent counts queued pages against its queue_pages: the worker here never refuses
     worker = L3Worker(store, threads=spec["threads"], queue_pages=sys.maxsize, batch_pages=spec["batch_pages"])
-    rpc_conn.send(("ok", {"capacity_pages": store.capacity_pages, "io_backend": store.io_backend}))
+    rpc_conn.send(("ok", {"capacity_pages": store.capacity_pages, "io_backend": store.io_backend,
+                          "shared": hasattr(store, "shared_pages")}))
     done = threading.Event()
     forwarder = threading.Thread(target=_forward, args=(worker, async_conn, done), name="l3-forward", daemon=True)
     forwarder.start()
@@ -151,7 +152,7 @@ def _forward(worker: L3Worker, conn: Connection, done: threading.Event) -> None:
             return
 
 
-_STORE_CALLS = ("contains", "used_pages", "keys", "stats", "flush", "check_integrity", "note_hit")
+_STORE_CALLS = ("contains", "used_pages", "keys", "stats", "flush", "check_integrity", "note_hit", "shared_pages")
 
 
 def _answer(store: Any, pages: _Pages, conn: Connection) -> None:
@@ -271,6 +272,8 @@ class RemoteStore:
         self._io_backend: str = info["io_backend"]
         self.page_bytes = pages.page_bytes
         self.path = link.path
+        if info.get("shared"):  # a shared tier behind it: hits it serves are told apart (tiers/persistent.py)
+            self.shared_pages = self._shared_pages
 
     @property
     def io_backend(self) -> str:
@@ -289,6 +292,9 @@ class RemoteStore:
         if not wait:
             return self._link.call("delete_nowait", list(keys), reply=False)
         return self._link.call("delete", list(keys), default=0)
+
+    def _shared_pages(self, keys: Sequence[bytes]) -> int:
+        return self._link.call("shared_pages", list(keys), default=0)
 
     def discard(self, keys: Sequence[bytes]) -> int:
         return self._link.call("discard", list(keys), default=0)

@@ -17,7 +17,7 @@ from controller.cost import CostModel, LoadPlan
 from controller.eviction import Eviction
 from controller.l3_io import Completion, L3Worker
 from controller.ports import Copier, HostPool, Pool, page_buffers
-from controller.stats import CacheStats
+from controller.stats import REMOTE, CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import FAILED, PREFETCHED, DiskLoad, Transfers
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
@@ -40,8 +40,10 @@ class Loads:
     """Load planning, copies to the GPU, tickets and prefetch (see the module doc)."""
 
     def __init__(self, tree: RadixTree, device: Pool, host: HostPool, copier: Copier, worker: L3Worker,
-                 eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool):
+                 eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool,
+                 shared_pages: Callable[[Sequence[bytes]], int] | None = None):
         self.tree = tree
+        self.shared_pages = shared_pages  # how many of these disk keys only the shared tier holds (REMOTE hits)
         self.device = device
         self.host = host
         self.copier = copier
@@ -116,10 +118,18 @@ class Loads:
             self.device.free(spare)  # a load stopped early (no host room for a disk read): its pages go back
         self._start_copies(copies)
         pos = 0
+        disk_keys: list[bytes] = []
         for node, tier in zip(nodes, tiers):
             if not k <= pos < s or ticket.gap is None:  # the gap's pages are computed, not hits
                 ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
+                if tier == DISK:
+                    disk_keys += node.disk_keys
             pos += node.num_pages
+        if disk_keys and self.shared_pages is not None and (shared := self.shared_pages(disk_keys)):
+            ticket.hit_pages[REMOTE] = shared  # disk pages this server's local store lacks: the shared tier's
+            ticket.hit_pages[DISK] -= shared
+            if not ticket.hit_pages[DISK]:
+                del ticket.hit_pages[DISK]
         for tier, pages in ticket.hit_pages.items():
             self.stats.hit_tokens[tier] += pages * ps
         return ticket

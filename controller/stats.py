@@ -8,6 +8,11 @@ from typing import Any
 
 from radix import TIERS
 
+# Hits are counted per tier a page was served from: the tree's tiers, and the shared tier, whose pages the tree
+# records as disk pages (tiers/persistent.py) but which this server's local store does not hold.
+REMOTE = "remote"
+HIT_TIERS = (*TIERS, REMOTE)
+
 
 @dataclass
 class CacheStats:
@@ -35,7 +40,7 @@ class CacheStats:
     def snapshot(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
-            "hit_tokens": {t: self.hit_tokens[t] for t in TIERS},
+            "hit_tokens": {t: self.hit_tokens[t] for t in HIT_TIERS},
             "recomputed_tokens": self.recomputed_tokens,
             "pages_promoted": {f"{s}->{d}": n for (s, d), n in self.pages_promoted.items()},
             "pages_demoted": {f"{s}->{d}": n for (s, d), n in self.pages_demoted.items()},

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from memory_l3 import MemoryL3
 
 from controller import CostModel, L3Worker, TierController, WritePolicy
+from controller.stats import REMOTE
 from radix import DEVICE, DISK, HOST, RadixTree
 from tiers import DevicePool, HostPool, KVLayout, PageCopier
 
@@ -113,7 +114,7 @@ def test_write_through_then_hits_from_each_tier():
     assert m.disk_pages == 2
     assert h.run(seq(1, 2)) == {DISK: 2}
     s = h.ctrl.stats.snapshot()
-    assert s["hit_tokens"] == {DEVICE: 4, HOST: 4, DISK: 4}
+    assert s["hit_tokens"] == {DEVICE: 4, HOST: 4, DISK: 4, REMOTE: 0}
     assert s["pages_promoted"]["disk->host"] == 2 and s["pages_demoted"]["device->host"] >= 5
     assert s["evictions"][DEVICE] > 0 and s["evictions"][HOST] > 0
     h.check_all_bytes()
@@ -133,7 +134,7 @@ def test_write_through_then_hits_from_each_tier_with_the_l3_in_its_own_process(t
             h.run(seq(b, 3))
         assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).disk_pages == 2
         assert h.run(seq(1, 2)) == {DISK: 2}  # read by the child into the shared host pool, then copied up
-        assert h.ctrl.stats.snapshot()["hit_tokens"] == {DEVICE: 4, HOST: 4, DISK: 4}
+        assert h.ctrl.stats.snapshot()["hit_tokens"] == {DEVICE: 4, HOST: 4, DISK: 4, REMOTE: 0}
         assert h.l3.stats()["reads"] >= 2
         h.check_all_bytes()
     finally:

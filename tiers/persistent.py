@@ -63,6 +63,12 @@ class PersistentTiers:
                 found[i] = hit
         return found
 
+    def shared_pages(self, keys: Sequence[bytes]) -> int:
+        """How many of these disk-tier keys the local store lacks (they are read from the shared tier)."""
+        if self.local is None:
+            return len(keys)
+        return len(keys) - sum(self.local.contains(keys))
+
     def used_pages(self) -> int:
         local = self.local.used_pages() if self.local is not None else 0
         return local + min(self.remote_pages, self.remote.stats()["writes"])

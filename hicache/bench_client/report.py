@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")  # hicache's cached_tokens_per_tier; other servers report none
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.engine.params import SamplingParams
-from radix import TIERS
+from controller.stats import HIT_TIERS
 
 
 class Status(enum.Enum):
@@ -110,7 +110,7 @@ class Request:
 
     def usage(self) -> Usage:
         cached = self.cached_tokens or {}
-        return Usage(self.prompt_len, self.num_output, {t: cached.get(t, 0) for t in TIERS})
+        return Usage(self.prompt_len, self.num_output, {t: cached.get(t, 0) for t in HIT_TIERS})
 
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival

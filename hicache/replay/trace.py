@@ -84,8 +84,8 @@ def trace_record(
     """One trace-log record (a JSON-ready dict) for a finished request.
 
     page_keys: the chained keys of the prompt's full pages (radix `page_keys`, bytes) or their ids.
-    cached_tokens: prompt tokens served from each tier ("device", "host", "disk"), as the
-    controller's ticket reported them (hit pages * page size).
+    cached_tokens: prompt tokens served from each tier ("device", "host", "disk", and "remote", which is
+    logged as disk), as the controller's ticket reported them (hit pages * page size).
     """
     if len(page_keys) != input_length // block_tokens:
         raise ValueError(f"trace_record: {len(page_keys)} page ids for {input_length} tokens "
@@ -98,7 +98,9 @@ def trace_record(
         "output_length": output_length,
         "block_tokens": block_tokens,
         "hash_ids": ids,
-        "cached_tokens": {t: int(cached_tokens.get(t, 0)) for t in TIERS},
+        # the replay has one disk tier: the shared tier's hits (controller.stats.REMOTE) count as disk hits
+        "cached_tokens": {t: int(cached_tokens.get(t, 0)) + (int(cached_tokens.get("remote", 0)) if t == "disk" else 0)
+                          for t in TIERS},
         "ttft_ms": ttft_ms,
     }
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from hicache import gc_stats
+from controller.stats import HIT_TIERS
 from radix import DEVICE, DISK, HOST, TIERS
 
 PROMOTIONS = ((HOST, DEVICE), (DISK, HOST), (DISK, DEVICE))
@@ -79,7 +80,7 @@ class CacheCollector:
         cache = s.get("cache", {})
         hits = CounterMetricFamily("hicache_cache_hit_tokens", "Prompt tokens served from each tier's cache",
                                    labels=["tier"])
-        for tier in TIERS:
+        for tier in HIT_TIERS:
             hits.add_metric([tier], cache.get("hit_tokens", {}).get(tier, 0))
         yield hits
         yield _pair_counter("hicache_pages_promoted", "Pages copied to a faster tier",

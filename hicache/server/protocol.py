@@ -3,7 +3,8 @@
 
 Unknown fields are ignored, as OpenAI does; known fields with the wrong type fail validation (400).
 hicache extensions: `ignore_eos`, `top_k`, `stop_token_ids` in requests; in `usage.prompt_tokens_details`
-`cached_tokens_per_tier` ({"device", "host", "disk"}: prompt tokens served from each tier).
+`cached_tokens_per_tier` ({"device", "host", "disk", "remote"}: prompt tokens served from each tier; "remote": the
+shared tier's pages, which this server's local disk store does not hold).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from starlette.requests import Request
 
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Usage
-from radix import TIERS
+from controller.stats import HIT_TIERS
 
 
 class APIError(Exception):
@@ -122,7 +123,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def usage_body(usage: Usage) -> dict[str, Any]:
     """OpenAI usage with cached_tokens, plus hicache's per-tier split."""
-    per_tier = {t: usage.cached_tokens.get(t, 0) for t in TIERS}
+    per_tier = {t: usage.cached_tokens.get(t, 0) for t in HIT_TIERS}
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,

@@ -56,7 +56,7 @@ def test_overlap_matches_recompute_and_load(tiny, tmp_path):
     want = reference(tiny, tmp_path)
     loaded = l3_engine(tiny, tmp_path / "l3", cache__load_policy__mode="always")  # a restart: A only on L3
     ids, _, out = generate(loaded)
-    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 60} and ids == want
+    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 60, "remote": 0} and ids == want
     loaded.close()
 
     engine = overlap_engine(tiny, tmp_path / "l3")
@@ -64,7 +64,7 @@ def test_overlap_matches_recompute_and_load(tiny, tmp_path):
     assert (k, s, n) == (0, 10, 15)  # compute 10 pages (40 ms) while 5 load (40 ms)
     ids, _, out = generate(engine)
     assert ids == want
-    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": (n - s) * PAGE}  # the gap is recomputed
+    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": (n - s) * PAGE, "remote": 0}  # the gap is recomputed
     assert engine.stats()["cache"]["recomputed_tokens"] == (s - k) * PAGE
     assert_no_leaks(engine)
     ids, _, out = generate(engine, "b")  # all of it is on GPU now
@@ -108,7 +108,7 @@ def test_gap_computed_before_the_tail_lands(tiny, tmp_path):
     engine = overlap_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)  # the gap takes 3 steps
     go = hold_reads(engine)
     ids, _, out = run_gap_then_release(engine, go)
-    assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 20}
+    assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 20, "remote": 0}
     assert_no_leaks(engine)
     engine.close()
 
@@ -119,7 +119,7 @@ def test_failed_tail_after_the_gap_is_recomputed(tiny, tmp_path):
     go = hold_reads(engine, fail=True)
     ids, _, out = run_gap_then_release(engine, go)
     assert engine.stats()["cache"]["load_failures"] >= 1
-    assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 0}
+    assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 0, "remote": 0}
     assert_no_leaks(engine)
     engine.close()
 

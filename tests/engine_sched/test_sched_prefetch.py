@@ -28,13 +28,13 @@ def test_queued_request_loads_its_disk_prefix_from_host(tiny, tmp_path):
 
     alone = slow_disk_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)
     ids, _, out = run_all_one(alone)
-    assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 0}  # disk too slow
+    assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 0, "remote": 0}  # disk too slow
     alone.close()
 
     engine = slow_disk_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)
     ids, _, out = queue_behind_b(engine)
     assert ids == want
-    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 60}  # from L3, via host memory
+    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 60, "remote": 0}  # from L3, via host memory
     cache = engine.stats()["cache"]
     assert cache["prefetched_pages"] == 15 and cache["pages_promoted"]["disk->host"] == 15
     assert_no_leaks(engine)
@@ -123,7 +123,7 @@ def test_prefetch_room_goes_to_the_front_of_the_queue(tiny, tmp_path):
     # whenever the read's expected landing is further off than recomputing (a timing race on a loaded machine)
     settle_l3(engine)
     outputs = run_all(engine)
-    assert outputs["q2"][2].usage.cached_tokens == {"device": 0, "host": 0, "disk": 60}  # from L3, via host
+    assert outputs["q2"][2].usage.cached_tokens == {"device": 0, "host": 0, "disk": 60, "remote": 0}  # from L3, via host
     assert engine.stats()["cache"]["prefetched_pages"] >= 30
     assert_no_leaks(engine)
     engine.close()

@@ -130,7 +130,7 @@ def served(model_pair, baseline, expect_tier: str, a: str = A, others: list[str]
     cached = out.usage.cached_tokens
     full = len(engine.tokenizer.encode(a)) // PAGE * PAGE
     if expect_tier == "none":
-        assert cached == {"device": 0, "host": 0, "disk": 0}
+        assert cached == {"device": 0, "host": 0, "disk": 0, "remote": 0}
     else:
         assert cached[expect_tier] == full and out.usage.total_cached_tokens == full, cached
     assert ids == baseline[0]
@@ -221,7 +221,8 @@ def test_a_prefix_computed_on_one_server_is_a_shared_hit_on_another(sharp, basel
     second = make_engine(sharp, cache__page_size=PAGE, **_shared_tiers(valkey.url, prefix, **more("b")))
     calibration = second.cache.l3.stats()["remote"]["hits"]
     ids, _, out = generate(second, [A])[0]
-    assert out.usage.cached_tokens["disk"] == full and ids == baseline[0]
+    assert out.usage.cached_tokens["remote"] == full and out.usage.cached_tokens["disk"] == 0
+    assert ids == baseline[0]
     remote = second.cache.l3.stats()["remote"]
     assert remote["hits"] - calibration == full // PAGE and remote["bad_values"] == 0
     second.close()

@@ -195,7 +195,7 @@ def test_agent_cli_against_server(start_server, tmp_path, capsys) -> None:
     for r in rounds[1:]:  # every later turn extends its session's previous prompt: its pages are cached
         assert r["cached_tokens"] > 0 and r["cache_hit_rate"] > 0.3
     tiers = o["cache_hit_rate_per_tier"]
-    assert set(tiers) == {"device", "host", "disk"}
+    assert set(tiers) == {"device", "host", "disk", "remote"}
     assert math.isclose(sum(tiers.values()), o["cache_hit_rate"])
     assert sum(o["cached_tokens_per_tier"].values()) == o["cached_tokens"] > 0
     m = data["server_metrics"]

@@ -21,7 +21,7 @@ def test_percentile_and_summary() -> None:
     assert s["requests"] == 3 and s["errors"] == 1 and s["duration_s"] == 2.0
     assert s["ttft_ms"]["mean"] == 200.0 and s["ttft_ms"]["p50"] == 200.0
     assert s["input_tokens_per_s"] == 100.0 and s["output_tokens_per_s"] == 10.0
-    assert s["cache_hit_rate"] == 0.25 and s["cache_hit_rate_per_tier"] == {"device": 0.15, "host": 0.1, "disk": 0}
+    assert s["cache_hit_rate"] == 0.25 and s["cache_hit_rate_per_tier"] == {"device": 0.15, "host": 0.1, "disk": 0, "remote": 0}
 
 
 def test_parse_metrics_and_text() -> None:
@@ -40,7 +40,7 @@ def test_multiturn_against_server(server) -> None:
     assert report.rounds[0]["cache_hit_rate"] == 0
     for r in report.rounds[1:]:  # every later prompt extends the previous one: its pages are cached
         assert r["cache_hit_rate"] > 0.3
-        assert set(r["cache_hit_rate_per_tier"]) == {"device", "host", "disk"}
+        assert set(r["cache_hit_rate_per_tier"]) == {"device", "host", "disk", "remote"}
     assert report.overall["ttft_ms"]["p99"] >= report.overall["ttft_ms"]["p50"] > 0
     assert report.server_metrics['hicache_cache_hit_tokens_total{tier="device"}'] > 0
 

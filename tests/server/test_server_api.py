@@ -84,7 +84,7 @@ def test_cached_tokens_rise_on_repeated_prefix(server, client) -> None:
     second = client.completions.create(model=MODEL, prompt=prompt + " and more", max_tokens=4, temperature=0)
     details = second.usage.prompt_tokens_details
     assert details.cached_tokens == 288  # the 18 full pages of the first prompt (16 tokens per page)
-    assert details.cached_tokens_per_tier == {"device": 288, "host": 0, "disk": 0}  # hicache's extension
+    assert details.cached_tokens_per_tier == {"device": 288, "host": 0, "disk": 0, "remote": 0}  # hicache's extension
     after = metrics(server.url)
     hits = metric(after, "hicache_cache_hit_tokens_total", tier="device") - metric(
         before, "hicache_cache_hit_tokens_total", tier="device")

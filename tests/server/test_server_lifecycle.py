@@ -56,7 +56,7 @@ def test_sigterm_drains_then_restart_hits_disk(tmp_path, start_server) -> None:
     client = openai.OpenAI(base_url=f"{second.url}/v1", api_key="x", max_retries=0, timeout=60)
     r = client.completions.create(model=MODEL, prompt=prompt + "and a new question", max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens == 480
-    assert r.usage.prompt_tokens_details.cached_tokens_per_tier == {"device": 0, "host": 0, "disk": 480}
+    assert r.usage.prompt_tokens_details.cached_tokens_per_tier == {"device": 0, "host": 0, "disk": 480, "remote": 0}
     values = metrics(second.url)
     assert metric(values, "hicache_cache_hit_tokens_total", tier="disk") == 480
     assert metric(values, "hicache_pages_promoted_total", src="disk", dst="host") == 30
