@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.engine.params import SamplingParams
 from controller.stats import HIT_TIERS
+from hicache.engine.params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -12,8 +12,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from hicache import gc_stats
 from controller.stats import HIT_TIERS
+from hicache import gc_stats
 from radix import DEVICE, DISK, HOST, TIERS
 
 PROMOTIONS = ((HOST, DEVICE), (DISK, HOST), (DISK, DEVICE))

@@ -17,9 +17,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
+from controller.stats import HIT_TIERS
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Usage
-from controller.stats import HIT_TIERS
 
 
 class APIError(Exception):

@@ -64,7 +64,8 @@ def test_overlap_matches_recompute_and_load(tiny, tmp_path):
     assert (k, s, n) == (0, 10, 15)  # compute 10 pages (40 ms) while 5 load (40 ms)
     ids, _, out = generate(engine)
     assert ids == want
-    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": (n - s) * PAGE, "remote": 0}  # the gap is recomputed
+    # the gap is recomputed
+    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": (n - s) * PAGE, "remote": 0}
     assert engine.stats()["cache"]["recomputed_tokens"] == (s - k) * PAGE
     assert_no_leaks(engine)
     ids, _, out = generate(engine, "b")  # all of it is on GPU now

@@ -123,7 +123,8 @@ def test_prefetch_room_goes_to_the_front_of_the_queue(tiny, tmp_path):
     # whenever the read's expected landing is further off than recomputing (a timing race on a loaded machine)
     settle_l3(engine)
     outputs = run_all(engine)
-    assert outputs["q2"][2].usage.cached_tokens == {"device": 0, "host": 0, "disk": 60, "remote": 0}  # from L3, via host
+    # from L3, via host
+    assert outputs["q2"][2].usage.cached_tokens == {"device": 0, "host": 0, "disk": 60, "remote": 0}
     assert engine.stats()["cache"]["prefetched_pages"] >= 30
     assert_no_leaks(engine)
     engine.close()

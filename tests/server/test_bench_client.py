@@ -21,7 +21,8 @@ def test_percentile_and_summary() -> None:
     assert s["requests"] == 3 and s["errors"] == 1 and s["duration_s"] == 2.0
     assert s["ttft_ms"]["mean"] == 200.0 and s["ttft_ms"]["p50"] == 200.0
     assert s["input_tokens_per_s"] == 100.0 and s["output_tokens_per_s"] == 10.0
-    assert s["cache_hit_rate"] == 0.25 and s["cache_hit_rate_per_tier"] == {"device": 0.15, "host": 0.1, "disk": 0, "remote": 0}
+    assert s["cache_hit_rate"] == 0.25
+    assert s["cache_hit_rate_per_tier"] == {"device": 0.15, "host": 0.1, "disk": 0, "remote": 0}
 
 
 def test_parse_metrics_and_text() -> None:
