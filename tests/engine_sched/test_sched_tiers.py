@@ -240,6 +240,27 @@ def test_a_shared_tier_that_is_down_serves_by_recomputing(sharp, baseline):
     engine.close()
 
 
+def test_a_shared_tier_killed_mid_run_leaves_every_request_served(sharp, baseline):
+    """The pages of A are on the shared tier only (pushed out of GPU and host) when the server dies: A's next
+    request finds them in the tree, its read fails within the timeout, and it is recomputed, with A's tokens."""
+    from hicache.valkey_local import LocalServer
+
+    with LocalServer() as server:
+        engine = make_engine(sharp, cache__page_size=PAGE,
+                             **_shared_tiers(server.url, "killed", cache__remote__timeout_s=0.5))
+        assert generate(engine, [A])[0][0] == baseline[0]
+        for other in OTHERS:
+            generate(engine, [other])
+            settle_l3(engine)
+        server.stop()
+        ids, _, out = generate(engine, [A])[0]
+        assert ids == baseline[0] and out.usage.total_cached_tokens == 0
+        stats = engine.cache.l3.stats()["remote"]
+        assert stats["state"] == "down" and engine.cache.controller.stats.load_failures >= 1
+        assert generate(engine, [OTHERS[0]])[0][0]  # and the server goes on
+        engine.close()
+
+
 def test_prefix_recomputed(sharp, baseline):
     served(sharp, baseline, "none", cache__device__size_tokens=12 * PAGE)
 
