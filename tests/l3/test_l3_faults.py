@@ -6,6 +6,7 @@ import errno
 import glob
 import hashlib
 import logging
+import mmap
 import os
 import subprocess
 
@@ -14,7 +15,7 @@ import torch
 from l3_helpers import NAMESPACE, PYTHON, content, empty, key, subprocess_env
 
 from tiers.l3 import L3Error, L3Store
-from tiers.l3.format import HEADER_BYTES
+from tiers.l3.format import HEADER_BYTES, bound_checksum, checksum
 from tiers.l3.inspect import format_report, inspect_store
 
 
@@ -320,3 +321,31 @@ def test_many_bad_pages_make_one_log_line_and_are_all_counted(tmp_path, open_sto
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(lines) == 1 and "10 pages failed to read" in lines[0] and "10 checksum mismatches" in lines[0], lines
     assert store.stats()["checksum_failures"] == 10
+
+
+def _aligned_pages(n: int, page_bytes: int) -> list[torch.Tensor]:
+    """Pages in page-aligned memory, as the host pool's: the store moves them in hashed pieces (tiers/l3/io.py)."""
+    flat = torch.frombuffer(mmap.mmap(-1, n * page_bytes), dtype=torch.uint8)
+    return list(flat.view(n, page_bytes))
+
+
+def test_pieces_hashed_as_they_move_give_the_whole_page_checksum_and_catch_a_flip(tmp_path):
+    from tiers.l3 import io as l3io
+
+    page_bytes = 2 * l3io.FUSED_PIECE_BYTES + 4096  # three pieces, the last one short
+    store = L3Store(tmp_path / "store", 4 * page_bytes, page_bytes, NAMESPACE, io_backend="buffered")
+    src = _aligned_pages(2, page_bytes)
+    for i, page in enumerate(src):
+        page.copy_(content(key(i), page_bytes))
+    assert store._io._fused([0, 1], src)  # the path under test
+    assert store.write_pages([key(0), key(1)], src) == [True, True]
+    for i, page in enumerate(src):  # the stored checksum is that of the whole page
+        assert store._entries[key(i)].checksum == bound_checksum(NAMESPACE, key(i), checksum(page.numpy()))
+    out = _aligned_pages(2, page_bytes)
+    assert store.read_pages([key(0), key(1)], out) == [True, True]
+    assert all(torch.equal(a, b) for a, b in zip(src, out))
+    _flip_byte(tmp_path / "store", store._entries[key(1)].slot, store.stats()["slot_bytes"],
+               at=l3io.FUSED_PIECE_BYTES + 17)  # inside the second piece
+    assert store.read_pages([key(0), key(1)], out) == [True, False]
+    assert store.stats()["checksum_failures"] == 1
+    store.close()
