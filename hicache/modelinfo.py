@@ -196,10 +196,28 @@ def model_shape(name: str) -> ModelShape:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """'auto' -> bfloat16 on CUDA, float32 on CPU."""
+    """'auto' -> bfloat16 on CUDA, float32 on CPU. Imports no torch (sizing tiers for the replay tool needs none)."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if resolve_device(device).type == "cuda" else "float32"
+    on_cuda = device.startswith("cuda") or (device == "auto" and cuda_available())
+    return "bfloat16" if on_cuda else "float32"
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device is usable, as `torch.cuda.is_available()` says, without importing torch where it is
+    not loaded yet: the CUDA driver is asked through ctypes (it honours CUDA_VISIBLE_DEVICES as torch does)."""
+    import sys
+
+    if "torch" in sys.modules:
+        return sys.modules["torch"].cuda.is_available()
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
 
 
 def resolve_device(device: str) -> torch.device:

@@ -4,6 +4,7 @@ import hidden in a function body counts too."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,14 @@ def test_the_command_line_and_the_replay_path_import_no_torch():
             "hicache.replay.cli; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_replay_run_with_the_default_config_imports_no_torch(tmp_path):
+    """Sizing the tiers (model.dtype auto, model.device auto) must not import torch to ask whether CUDA is there."""
+    trace = tmp_path / "t.jsonl"
+    records = [{"timestamp": i, "input_length": 1024, "output_length": 8, "hash_ids": [1, i + 2]} for i in range(20)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code = ("import sys; from hicache.cli import main; rc = main(['replay', sys.argv[1], '--no-progress']); "
+            "print(rc, 'torch' in sys.modules, file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code, str(trace)], cwd=ROOT, capture_output=True, text=True)
+    assert out.stderr.strip().splitlines()[-1] == "0 False", out.stderr[-2000:]
