@@ -97,9 +97,14 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
-def _add_linear_(residual: Tensor, x: Tensor, linear: nn.Linear) -> Tensor:
-    """residual += linear(x) in place, the add fused into the matmul (beta=1 GEMM); linear has no bias."""
-    return residual.addmm_(x, linear.weight.t())
+def _add_linear_(residual: Tensor, x: Tensor, linear: nn.Linear, reduce=None) -> Tensor:
+    """residual += linear(x) in place, the add fused into the matmul (beta=1 GEMM); linear has no bias.
+
+    `reduce`: under tensor parallelism (hicache/engine/tp.py) linear(x) is this rank's partial sum, summed over
+    the ranks before it is added."""
+    if reduce is None:
+        return residual.addmm_(x, linear.weight.t())
+    return residual.add_(reduce(x @ linear.weight.t()))
 
 
 class RMSNorm(nn.Module):
@@ -137,6 +142,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.qkv_proj: nn.Linear | None = None
+        self.reduce = None  # tensor parallel: the all-reduce of o_proj's partial sums (hicache/engine/tp.py)
 
     def fuse(self) -> None:
         """Replace q_proj, k_proj, v_proj by one qkv_proj (rows q, then k, then v); no-op once fused."""
@@ -157,7 +163,7 @@ class Attention(nn.Module):
         apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)  # q and k heads in one pass
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_layer, out_slots, plan)
-        return _add_linear_(residual, out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj)
+        return _add_linear_(residual, out.reshape(tokens, self.num_heads * self.head_dim), self.o_proj, self.reduce)
 
 
 class MLP(nn.Module):
@@ -169,6 +175,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj: nn.Linear | None = None
+        self.reduce = None  # tensor parallel: the all-reduce of down_proj's partial sums
 
     def fuse(self) -> None:
         """Replace gate_proj and up_proj by one gate_up_proj (rows gate, then up); no-op once fused."""
@@ -182,7 +189,7 @@ class MLP(nn.Module):
             act = fused_ops.silu_and_mul(self.gate_up_proj(x))  # one kernel on CUDA
         else:
             act = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
-        return _add_linear_(residual, act, self.down_proj)
+        return _add_linear_(residual, act, self.down_proj, self.reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -220,6 +227,9 @@ class LlamaModel(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._inv_freq = rope_inv_freq(config)  # plain CPU tensor (not a buffer): survives meta construction
+        self.head_shard: Tensor | None = None  # tensor parallel: this rank's vocabulary rows of the LM head
+        self.gather_logits = None  # ... and the all-gather of every rank's logits
+        self.tp_rank, self.tp_size = 0, 1
         self.decode_kernel = True  # use the Triton paged decode kernel where it runs (False: the reference)
         self.prefill_kernel = False  # chunks over a cached prefix: the Triton prefix kernel where it runs
 
@@ -285,6 +295,8 @@ class LlamaModel(nn.Module):
 
     def _logits(self, x: Tensor) -> Tensor:
         x = self.norm(x)
+        if self.head_shard is not None:
+            return self.gather_logits(F.linear(x, self.head_shard).float())
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,20 +41,24 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "hicache"
 
 
-def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
+def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device,
+               shard: Callable[[LlamaModel], LlamaModel] | None = None) -> tuple[LlamaModel, Tokenizer]:
     """Load a model and its tokenizer onto `device` in `dtype`.
+
+    `shard`: applied to the loaded model before its projections are fused (a tensor-parallel rank's cut,
+    hicache/engine/tp.py).
 
     `name_or_path` is `smollm2-135m-instruct` (the default; first use converts the GGUF into `cache_dir()`),
     `random:<preset>` or a Hugging Face model directory. Raises ValueError for anything else.
     """
     device = torch.device(device)
     if name_or_path == DEFAULT_MODEL:
-        return load_hf_dir(smollm2_dir(), dtype, device)
+        return load_hf_dir(smollm2_dir(), dtype, device, shard)
     if name_or_path.startswith("random:"):
-        return load_random(name_or_path.removeprefix("random:"), dtype, device)
+        return load_random(name_or_path.removeprefix("random:"), dtype, device, shard)
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
-        return load_hf_dir(path, dtype, device)
+        return load_hf_dir(path, dtype, device, shard)
     raise ValueError(
         f"unknown model {name_or_path!r}: expected one of {', '.join(model_choices())} "
         "or a Hugging Face model directory containing config.json"
@@ -129,7 +134,8 @@ def weights_revision(files: list[Path]) -> str:
     return "sha256-" + hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
-def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
+def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device,
+                shard: Callable[[LlamaModel], LlamaModel] | None = None) -> tuple[LlamaModel, Tokenizer]:
     """Load config.json + *.safetensors (sharded or not) + tokenizer from a Hugging Face-style directory."""
     directory = Path(directory)
     hf_config = json.loads((directory / "config.json").read_text())
@@ -156,6 +162,8 @@ def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> tu
         model = LlamaModel(config)
     model.load_state_dict(state, strict=True, assign=True)
     del state  # the model holds the tensors now; fusing below releases the separate projections
+    if shard is not None:
+        model = shard(model)
     model.fuse_projections().eval()
 
     generation_path = directory / "generation_config.json"
@@ -171,7 +179,8 @@ def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device) -> tu
     return model, tokenizer
 
 
-def load_random(preset: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
+def load_random(preset: str, dtype: torch.dtype, device: torch.device,
+                shard: Callable[[LlamaModel], LlamaModel] | None = None) -> tuple[LlamaModel, Tokenizer]:
     """A model with seeded random weights created directly on `device` in `dtype` (meaningless output)."""
     if preset not in RANDOM_PRESETS:
         raise ValueError(f"unknown model 'random:{preset}': expected one of {', '.join(model_choices())}")
@@ -207,5 +216,7 @@ def load_random(preset: str, dtype: torch.dtype, device: torch.device) -> tuple[
         state[key] = tensor
     model.load_state_dict(state, strict=True, assign=True)
     del state
+    if shard is not None:
+        model = shard(model)
     model.fuse_projections().eval()
     return model, tokenizer

@@ -1,0 +1,134 @@
+"""Tensor parallelism for the Llama model: one rank's shard of every layer, and the collectives between them.
+
+`shard_model(model, rank, size, group)` cuts a loaded (unfused) `LlamaModel` down, in place, to what rank `rank`
+of `size` computes, the usual Megatron way:
+
+- attention: the query heads are split evenly; the KV heads too, or, where there are fewer KV heads than ranks,
+  each rank keeps the one KV head its query heads read (replicated `size / num_kv_heads` times; logged);
+  `o_proj` keeps the matching input columns, and its partial outputs are summed across ranks (one all-reduce);
+- MLP: `gate_proj` / `up_proj` keep a slice of the intermediate rows (column-parallel), `down_proj` the matching
+  columns (row-parallel), then one all-reduce;
+- the LM head keeps a slice of the vocabulary, and the logits are gathered; the token embedding stays whole
+  (a lookup, not a matmul: it is a small share of the weights except for small models).
+
+Each rank's KV pool then holds its own heads (`model.kv_pool_shape` follows the shard), so the cache tiers of a
+rank store that rank's shard, under a namespace that carries the rank and the size.
+
+Every collective takes the process group's timeout (`torch.distributed.init_process_group(timeout=...)`), so a
+rank that dies ends the others' collectives with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+
+def check_divisible(config: Any, size: int) -> None:
+    """Refuse a tensor-parallel size the model's shapes cannot be split by, naming which."""
+    if size < 1:
+        raise ValueError(f"tensor-parallel size must be >= 1, got {size}")
+    problems = []
+    if config.num_heads % size:
+        problems.append(f"{config.num_heads} attention heads")
+    if config.num_kv_heads % size and size % config.num_kv_heads:
+        problems.append(f"{config.num_kv_heads} KV heads (neither divides the other)")
+    if config.intermediate_size % size:
+        problems.append(f"an MLP width of {config.intermediate_size}")
+    if config.vocab_size % size:
+        problems.append(f"a vocabulary of {config.vocab_size}")
+    if problems:
+        raise ValueError(f"model {config.name!r} cannot be split over {size} ranks: " + ", ".join(problems))
+
+
+def kv_heads_of(config: Any, rank: int, size: int) -> tuple[int, int]:
+    """The KV heads [first, end) rank `rank` keeps."""
+    if config.num_kv_heads >= size:
+        per = config.num_kv_heads // size
+        return rank * per, (rank + 1) * per
+    head = rank * config.num_kv_heads // size  # the KV head this rank's query heads read
+    return head, head + 1
+
+
+class _AllReduce:
+    """Sum a partial output over the group, in place."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, x: Tensor) -> Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+class _GatherVocab:
+    """Concatenate each rank's slice of the logits along the vocabulary."""
+
+    def __init__(self, group: Any, size: int) -> None:
+        self.group, self.size = group, size
+
+    def __call__(self, local: Tensor) -> Tensor:
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def _rows(linear: nn.Linear, start: int, end: int) -> None:
+    linear.weight = nn.Parameter(linear.weight.detach()[start:end].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[start:end].clone(), requires_grad=False)
+    linear.out_features = end - start
+
+
+def _columns(linear: nn.Linear, start: int, end: int) -> None:
+    linear.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone(), requires_grad=False)
+    linear.in_features = end - start
+
+
+def shard_model(model: Any, rank: int, size: int, group: Any = None) -> Any:
+    """Cut `model` (a loaded, unfused LlamaModel) to rank `rank`'s shard of `size`, in place; returns it."""
+    c = model.config
+    check_divisible(c, size)
+    if size == 1:
+        return model
+    if any(layer.self_attn.qkv_proj is not None for layer in model.layers):
+        raise ValueError("shard the model before fuse_projections()")
+    hd = c.head_dim
+    q_per = c.num_heads // size
+    kv_first, kv_end = kv_heads_of(c, rank, size)
+    if c.num_kv_heads < size:
+        logger.info("tensor parallel %d > %d KV heads: each KV head is kept by %d ranks", size, c.num_kv_heads,
+                    size // c.num_kv_heads)
+    mlp_per = c.intermediate_size // size
+    reduce = _AllReduce(group)
+    with torch.no_grad():
+        for layer in model.layers:
+            attn = layer.self_attn
+            _rows(attn.q_proj, rank * q_per * hd, (rank + 1) * q_per * hd)
+            _rows(attn.k_proj, kv_first * hd, kv_end * hd)
+            _rows(attn.v_proj, kv_first * hd, kv_end * hd)
+            _columns(attn.o_proj, rank * q_per * hd, (rank + 1) * q_per * hd)
+            attn.num_heads, attn.num_kv_heads = q_per, kv_end - kv_first
+            attn.reduce = reduce
+            mlp = layer.mlp
+            _rows(mlp.gate_proj, rank * mlp_per, (rank + 1) * mlp_per)
+            _rows(mlp.up_proj, rank * mlp_per, (rank + 1) * mlp_per)
+            _columns(mlp.down_proj, rank * mlp_per, (rank + 1) * mlp_per)
+            mlp.reduce = reduce
+        vocab_per = c.vocab_size // size
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.head_shard = head.detach()[rank * vocab_per:(rank + 1) * vocab_per].clone()
+        if model.lm_head is not None:
+            model.lm_head = None  # its slice is head_shard; the tied embedding stays whole for the lookup
+    model.gather_logits = _GatherVocab(group, size)
+    model.config = dataclasses.replace(c, num_heads=q_per, num_kv_heads=kv_end - kv_first,
+                                       intermediate_size=mlp_per)
+    model.tp_rank, model.tp_size = rank, size
+    return model

@@ -1,0 +1,66 @@
+"""Tensor parallelism on the CPU (gloo): a model split over 2 and 4 ranks (4 > its 2 KV heads: replicated) gives
+the logits and greedy tokens of one rank; shapes that cannot be split are refused by name; a rank that dies
+ends the others with an error, not a hang (hicache/engine/tp.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hicache.engine.tp import check_divisible, kv_heads_of
+from hicache.modelinfo import RANDOM_PRESETS
+from hicache.valkey_local import free_port
+
+RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_rank.py")
+
+
+def _run(model: str, size: int, out: str, *extra: str, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, RANK, model, str(r), str(size), str(port), out, *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(size)]
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("tp") / "tp1.pt")
+    (r,) = _run("random:tiny", 1, out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_split_ranks_give_one_ranks_logits_and_tokens(reference, tmp_path, size):
+    out = str(tmp_path / f"tp{size}.pt")
+    results = _run("random:tiny", size, out)
+    assert all(r.returncode == 0 for r in results), [r.stderr[-1500:] for r in results]
+    got = torch.load(out)
+    assert got["ids"] == reference["ids"]
+    assert torch.allclose(got["logits"], reference["logits"], atol=1e-4, rtol=1e-4)
+    assert got["kv_heads"] == max(1, 2 // size)  # tiny has 2 KV heads: 1 a rank at TP 2, and at TP 4 (replicated)
+
+
+def test_a_rank_that_dies_ends_the_others_with_an_error(tmp_path):
+    results = _run("random:tiny", 2, str(tmp_path / "x.pt"), "--die-after-steps", "2", "--timeout-s", "10",
+                   timeout=90)
+    assert results[1].returncode == 3  # the one that died
+    assert results[0].returncode == 4 and "rank 0:" in results[0].stderr  # a named error, within the timeout
+
+
+def test_shapes_that_cannot_be_split_are_refused_by_name():
+    tiny = RANDOM_PRESETS["tiny"]
+    with pytest.raises(ValueError, match="3 ranks: 4 attention heads, 2 KV heads"):
+        check_divisible(tiny, 3)
+    check_divisible(tiny, 4)
+    assert [kv_heads_of(tiny, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [kv_heads_of(tiny, r, 2) for r in range(2)] == [(0, 1), (1, 2)]
