@@ -17,9 +17,10 @@ and a second memfd of staging pages for writes whose host pages leave at once (`
   reads in `completions()` without blocking. A write that must wait for its GPU -> host copy (`before`) is sent
   by a forwarding thread once the copy is done.
 
-If the process goes away (killed, crashed), the L3 is gone for the rest of the run, loudly and without harm: one
-ERROR line, the reads in flight fail (their requests recompute), writes are refused and counted as `l3_gone`,
-probes miss. What it had stored stays on disk for the next start.
+If the process goes away (killed, crashed), the L3 is gone until another one is started, loudly and without harm:
+one ERROR line, the reads in flight fail (their requests recompute), writes are refused and counted as `l3_gone`,
+probes miss. A new process is started in the background (after 1 s, then a doubling backoff up to a minute); it
+reopens the store, whose committed pages survived, and the tier is back (one WARNING line).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # the child imports torch and opens (perhaps creates) the store
 CLOSE_TIMEOUT_S = 60.0  # the child finishes queued writes and flushes the index
+RESTART_MAX_S = 60.0  # longest wait between attempts to restart a dead L3 process
 FORWARD_POLL_S = 0.05  # the child's completion forwarder wakes this often when idle, to notice shutdown
 
 
@@ -262,18 +264,29 @@ class _Link:
                 return False
 
 
+class _Current:
+    """The link to the L3 process now running (a restart swaps it)."""
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+
+
 class RemoteStore:
     """The L3 store of the child process, as `tiers.l3.L3Store` is called by the controller, the server and the
     calibration."""
 
-    def __init__(self, link: _Link, pages: _Pages, info: dict) -> None:
-        self._link, self._pages = link, pages
+    def __init__(self, owner: L3Process, pages: _Pages, info: dict) -> None:
+        self._owner, self._pages = owner, pages
         self.capacity_pages: int = info["capacity_pages"]
         self._io_backend: str = info["io_backend"]
         self.page_bytes = pages.page_bytes
-        self.path = link.path
+        self.path = owner.path
         if info.get("shared"):  # a shared tier behind it: hits it serves are told apart (tiers/persistent.py)
             self.shared_pages = self._shared_pages
+
+    @property
+    def _link(self) -> _Link:
+        return self._owner.current.link
 
     @property
     def io_backend(self) -> str:
@@ -320,10 +333,11 @@ class RemoteStore:
         gone = {"path": self.path, "state": "gone", "io_backend": self._io_backend, "pages": 0,
                 "capacity_pages": self.capacity_pages}
         out = self._link.call("stats", default=gone)
-        return {**out, "process": self._link.proc.pid}
+        return {**out, "process": self._link.proc.pid, "restarts": self._owner.restarts}
 
     def close(self) -> None:
-        """Close the store in the child and wait for it to exit. Idempotent."""
+        """Close the store in the child and wait for it to exit (no restart from now on). Idempotent."""
+        self._owner.closing = True
         link = self._link
         if link.proc.poll() is None and link.gone is None:
             link.send(("close",))  # the child's worker finishes what is queued
@@ -337,6 +351,7 @@ class RemoteStore:
             link.proc.wait()
         for conn in (link.async_conn, link.rpc_conn):
             conn.close()
+        self._owner.release()
 
 
 @dataclass
@@ -350,8 +365,8 @@ class _Job:
 class RemoteWorker:
     """`L3Worker`'s interface to the child's worker: the controller submits and polls as it does in-process."""
 
-    def __init__(self, link: _Link, pages: _Pages, queue_pages: int) -> None:
-        self._link, self._pages = link, pages
+    def __init__(self, current: _Current, pages: _Pages, queue_pages: int) -> None:
+        self._current, self._pages = current, pages
         self.queue_pages = queue_pages
         self._queued = 0
         self._jobs: dict[int, _Job] = {}
@@ -364,7 +379,10 @@ class RemoteWorker:
         self._closed = False
         self._forwarder = threading.Thread(target=self._forward_loop, name="hicache-l3-forward", daemon=True)
         self._forwarder.start()
-        link.on_gone.append(self._fail_all)
+
+    @property
+    def _link(self) -> _Link:
+        return self._current.link
 
     @property
     def queued_write_pages(self) -> int:
@@ -513,25 +531,45 @@ class L3Process:
     """Start the L3 store in a process of its own; `store` and `worker` are its two faces."""
 
     def __init__(self, host: Any, store_args: dict | None, threads: int, queue_pages: int, batch_pages: int,
-                 staging_pages: int | None = None, remote_args: dict | None = None, remote_pages: int = 0) -> None:
+                 staging_pages: int | None = None, remote_args: dict | None = None, remote_pages: int = 0,
+                 restart: bool = True, restart_min_s: float = 1.0) -> None:
         """store_args: the local L3 store's (`L3Store`'s arguments), remote_args the shared tier's
-        (`tiers.remote.RemoteStore`'s); either may be None (tiers/persistent.py)."""
+        (`tiers.remote.RemoteStore`'s); either may be None (tiers/persistent.py). `restart`: a child that dies is
+        replaced, after `restart_min_s` and then a doubling backoff up to RESTART_MAX_S."""
+        self._staging_fd: int | None = None
         if getattr(host, "share_fd", None) is None:
             raise ValueError("the L3 process needs a host pool in shared memory (HostPool(shared=True))")
         page_bytes = host.page_bytes
         self.path = (os.path.abspath(os.fspath(store_args["path"])) if store_args is not None
                      else str(RemoteAddress.parse(remote_args["url"])))
         staging_pages = queue_pages if staging_pages is None else staging_pages
-        staging_fd = os.memfd_create("hicache-l3-staging", os.MFD_CLOEXEC)
+        self.restart, self.restart_min_s = restart, restart_min_s
+        self.closing = False
+        self.restarts = 0
+        self._restarting = threading.Lock()
+        self._staging_fd = os.memfd_create("hicache-l3-staging", os.MFD_CLOEXEC)  # kept for a restarted child
         try:
-            os.ftruncate(staging_fd, staging_pages * page_bytes)  # sparse: memory is used as slots are
-            staging = _map(staging_fd, staging_pages * page_bytes).view(-1, page_bytes)
+            os.ftruncate(self._staging_fd, staging_pages * page_bytes)  # sparse: memory is used as slots are
+            staging = _map(self._staging_fd, staging_pages * page_bytes).view(-1, page_bytes)
             pool = host.buffer.view(host.capacity_pages, -1).view(torch.uint8)
             self._pages = _Pages(pool, staging, page_bytes)
-            link = self._start(host, staging_fd, staging_pages, threads, batch_pages,
-                               {"store": store_args, "remote": remote_args, "remote_pages": remote_pages})
-        finally:
-            os.close(staging_fd)  # the mapping and the child's copy keep the memory
+            self._launch = lambda: self._start(host, self._staging_fd, staging_pages, threads, batch_pages,
+                                               {"store": store_args, "remote": remote_args,
+                                                "remote_pages": remote_pages})
+            link, value = self._open()
+        except BaseException:
+            self.release()
+            raise
+        self.current = _Current(link)
+        self.store = RemoteStore(self, self._pages, value)
+        self.worker = RemoteWorker(self.current, self._pages, queue_pages)
+        self._watch(link)
+        logger.info("%s: L3 store open in process %d, %d pages, io_backend=%s", self.path, link.proc.pid,
+                    self.store.capacity_pages, self.store.io_backend)
+
+    def _open(self) -> tuple[_Link, dict]:
+        """Start a child and wait until its store is open; L3Error with the child's reason if it fails."""
+        link = self._launch()
         status, value = self._first_answer(link)
         if status == "err":
             link.proc.wait(CLOSE_TIMEOUT_S)
@@ -539,10 +577,44 @@ class L3Process:
                 conn.close()
             name, code, message = value
             raise L3Error(code or errno.EIO, message if name == "L3Error" else f"{self.path}: {name}: {message}")
-        self.store = RemoteStore(link, self._pages, value)
-        self.worker = RemoteWorker(link, self._pages, queue_pages)
-        logger.info("%s: L3 store open in process %d, %d pages, io_backend=%s", self.path, link.proc.pid,
-                    self.store.capacity_pages, self.store.io_backend)
+        return link, value
+
+    def _watch(self, link: _Link) -> None:
+        link.on_gone += [self.worker._fail_all, self._restart_later]
+
+    def _restart_later(self) -> None:
+        """The child is gone: start another in the background, with a backoff, unless the store is closing."""
+        if self.restart and not self.closing and self._restarting.acquire(blocking=False):
+            threading.Thread(target=self._restart_loop, name="hicache-l3-restart", daemon=True).start()
+
+    def _restart_loop(self) -> None:
+        delay = self.restart_min_s
+        try:
+            while not self.closing:
+                time.sleep(delay)
+                if self.closing:
+                    return
+                try:
+                    link, _ = self._open()
+                except OSError as e:
+                    logger.error("%s: restarting the L3 process failed (%s); next try in %.0f s", self.path, e,
+                                 min(RESTART_MAX_S, delay * 2))
+                    delay = min(RESTART_MAX_S, delay * 2)
+                    continue
+                self._watch(link)
+                self.current.link = link
+                self.restarts += 1
+                logger.warning("%s: the L3 process is back (process %d, restart %d): the disk tier is on again",
+                               self.path, link.proc.pid, self.restarts)
+                return
+        finally:
+            self._restarting.release()
+
+    def release(self) -> None:
+        """Close what the parent keeps for restarts (the staging descriptor)."""
+        if self._staging_fd is not None:
+            os.close(self._staging_fd)
+            self._staging_fd = None
 
     def _start(self, host: Any, staging_fd: int, staging_pages: int, threads: int, batch_pages: int,
                stores: dict) -> _Link:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -144,7 +145,7 @@ def test_a_second_writer_is_refused_while_the_process_holds_the_lock(proc_and_ho
 
 def test_a_killed_process_fails_reads_refuses_writes_and_probes_miss(tmp_path):
     host = _host()
-    proc = L3Process(host, _store_args(tmp_path / "l3"), threads=1, queue_pages=8, batch_pages=4)
+    proc = L3Process(host, _store_args(tmp_path / "l3"), threads=1, queue_pages=8, batch_pages=4, restart=False)
     try:
         assert proc.store.write_pages(_keys(2), [host.page_view(p) for p in range(2)]) == [True, True]
         os.kill(proc.store._link.proc.pid, signal.SIGKILL)
@@ -166,3 +167,31 @@ def test_a_killed_process_fails_reads_refuses_writes_and_probes_miss(tmp_path):
     finally:
         again.worker.close()
         again.store.close()
+
+
+def test_a_killed_process_is_replaced_and_serves_what_it_had_stored(tmp_path):
+    host = _host()
+    proc = L3Process(host, _store_args(tmp_path / "l3"), threads=1, queue_pages=8, batch_pages=4,
+                     restart_min_s=0.1)
+    try:
+        _fill(host, range(2), seed=11)
+        expected = _bytes(host, 0, 2).clone()
+        assert proc.store.write_pages(_keys(2), [host.page_view(p) for p in range(2)]) == [True, True]
+        first = proc.store._link.proc
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        proc.worker.submit_read("r", _keys(2), [host.page_view(p) for p in range(2, 4)])  # fails: it is gone
+        assert proc.worker.wait_idle(10) and proc.worker.completions()[0].results == [False, False]
+        deadline = time.monotonic() + 60
+        while proc.store.stats().get("restarts", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = proc.store.stats()
+        assert stats["restarts"] == 1 and stats["state"] == "ok" and stats["process"] != first.pid
+        proc.worker.submit_read("r2", _keys(2), [host.page_view(p) for p in range(4, 6)])
+        assert proc.worker.wait_idle(10) and proc.worker.completions()[0].results == [True, True]
+        assert torch.equal(_bytes(host, 4, 6), expected)  # committed before the crash, served after it
+        assert proc.worker.submit_write("w", _keys(1, 40), [host.page_view(0)])
+        assert proc.worker.wait_idle(10) and proc.worker.completions()[0].results == [True]
+    finally:
+        proc.worker.close()
+        proc.store.close()
