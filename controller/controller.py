@@ -270,6 +270,8 @@ class TierController:
         for c in self.worker.completions():
             (self.writes if c.kind == "write" else self.loads).apply(c)
         self.eviction.remove_invalid()
+        if self.eviction.landing:
+            self.eviction.reap_host_frees()
 
     def flush_backups(self) -> int:
         """Start every deferred backup now; returns the pages copied."""
@@ -300,7 +302,8 @@ class TierController:
         """Tree integrity plus, per pool, free + owned == capacity with no page owned twice."""
         self.tree.check_integrity()
         self.device.allocator.check_integrity(self.tree.owned_pages(DEVICE) + sorted(self._private))
-        self.host.allocator.check_integrity(self.tree.owned_pages(HOST) + list(self.loads.loading_host_pages()))
+        self.host.allocator.check_integrity(self.tree.owned_pages(HOST) + list(self.loads.loading_host_pages())
+                                            + self.eviction.landing_host_pages())
         ev = self.eviction
         if self.tree.pages_in[2] + ev.disk_inflight > ev.disk_capacity:
             raise AssertionError(f"disk tier holds {self.tree.pages_in[2]} + {ev.disk_inflight} pages "
@@ -313,4 +316,5 @@ class TierController:
             self.writes.flush_backups()
         self.worker.wait_idle()
         self.poll()
+        self.eviction.reap_host_frees(wait=True)
         self.worker.close()

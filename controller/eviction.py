@@ -8,7 +8,7 @@ leave their last tier are removed from the tree with their subtree, and every pa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from controller.ports import L3, Pool
 from controller.stats import CacheStats
@@ -41,14 +41,19 @@ class Eviction:
         self.disk_capacity = disk_capacity
         self.disk_inflight = 0  # pages queued for L3 writes, counted against the disk capacity
         self.hook: EvictionHook = _NoHook()
+        self.landing: list[tuple[Any, list[int]]] = []  # (copy, host pages) freed while that copy still lands
 
     def allocate(self, tier: str, n: int, protect: TreeNode | None = None) -> list[int] | None:
         """n free pages of the GPU or host tier, evicting there as needed (never `protect`); None if impossible."""
         pool = self.device if tier == DEVICE else self.host
         if n > pool.capacity_pages:
             return None
+        if tier == HOST and self.landing and pool.allocator.free_pages < n:
+            self.reap_host_frees()
         if pool.allocator.free_pages < n:
             self.evict(tier, n - pool.allocator.free_pages, protect)
+        if tier == HOST and self.landing and pool.allocator.free_pages < n:
+            self.reap_host_frees(wait=True)  # no other room: the pages of the copies landing are the room
         return pool.allocate(n)
 
     def evict(self, tier: str, need: int, protect: TreeNode | None = None) -> int:
@@ -92,18 +97,39 @@ class Eviction:
         return n
 
     def free_host_pages(self, pages: Sequence[int]) -> None:
-        """Free tree-owned host pages once no GPU -> host copy is still filling them: the next owner (a disk read,
-        another copy) would otherwise have its bytes overwritten by the copy landing late. Host copies of pages
-        about to be evicted from host have nearly always landed, so this rarely blocks."""
+        """Free tree-owned host pages; a page a GPU -> host copy is still landing in is freed once it has landed
+        (`reap_host_frees`), or the copy would overwrite its next owner's bytes (a disk read, another copy). The
+        engine thread does not wait for it unless the host tier has no other room (`allocate`)."""
         fills = self.transfers.host_fills
-        waits = {}
+        ready: list[int] = []
+        later: dict[int, tuple[Any, list[int]]] = {}
         for p in pages:
             handle = fills.pop(p, None)
             if handle is not None and not handle.done():
-                waits[id(handle)] = handle
-        for handle in waits.values():
-            handle.wait()
-        self.host.free(pages)
+                later.setdefault(id(handle), (handle, []))[1].append(p)
+            else:
+                ready.append(p)
+        if ready:
+            self.host.free(ready)
+        self.landing.extend(later.values())
+
+    def reap_host_frees(self, wait: bool = False) -> int:
+        """Free the host pages whose landing copy is done (`wait`: wait for every one); returns the pages freed."""
+        freed, keep = 0, []
+        for handle, pages in self.landing:
+            if wait or handle.done():
+                if wait:
+                    handle.wait()
+                self.host.free(pages)
+                freed += len(pages)
+            else:
+                keep.append((handle, pages))
+        self.landing = keep
+        return freed
+
+    def landing_host_pages(self) -> list[int]:
+        """Host pages freed by the tree whose copy has not landed yet (owned by nobody, not yet free)."""
+        return [p for _, pages in self.landing for p in pages]
 
     def free_device_pages(self, pages: Sequence[int]) -> None:
         """Free tree-owned GPU pages. Compute may overwrite them next, so the current stream first waits

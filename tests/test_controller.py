@@ -337,6 +337,33 @@ def test_a_disk_write_of_a_node_gone_from_the_gpu_still_waits_for_its_host_copy(
     assert ("host wait", h.copier.handles[0]) in h.copier.log
 
 
+def test_host_pages_a_copy_still_lands_in_are_freed_once_it_has_landed_without_waiting():
+    h = Harness(device=4, host=6, disk=0, copier=SlowCopier)
+    ev, fills = h.ctrl.eviction, h.ctrl.transfers.host_fills
+    pages = ev.allocate(HOST, 4)
+    landing = SlowCopier.Handle(h.copier.log)
+    fills.update({pages[0]: landing, pages[1]: landing})
+    ev.free_host_pages(pages)
+    assert h.host.allocator.free_pages == 4 and ev.landing_host_pages() == pages[:2]  # two wait for the copy
+    assert h.copier.log == []  # the engine thread did not wait
+    h.ctrl.poll()
+    assert h.host.allocator.free_pages == 4
+    landing.landed = True
+    h.ctrl.poll()
+    assert h.host.allocator.free_pages == 6 and ev.landing == [] and h.copier.log == []
+    h.ctrl.check_integrity()
+
+
+def test_with_no_other_room_the_host_tier_waits_for_the_landing_copy():
+    h = Harness(device=4, host=2, disk=0, copier=SlowCopier)
+    ev = h.ctrl.eviction
+    pages = ev.allocate(HOST, 2)
+    landing = SlowCopier.Handle(h.copier.log)
+    h.ctrl.transfers.host_fills.update(dict.fromkeys(pages, landing))
+    ev.free_host_pages(pages)
+    assert ev.allocate(HOST, 2) is not None and h.copier.log == [("host wait", landing)]
+
+
 class GatedL3(MemoryL3):
     """MemoryL3 whose writes wait for `gate`: an L3 write stays in flight as long as a test needs."""
 
