@@ -283,20 +283,23 @@ def test_eviction_waits_only_for_copies_of_the_evicted_pages():
     h.ctrl.check_integrity()
 
 
+class RefusingWorker(L3Worker):
+    """A synchronous worker that refuses writes while `refuse` is set, and records each write's `before`."""
+
+    def __init__(self, store):
+        super().__init__(store, synchronous=True)
+        self.refuse, self.befores = True, []
+
+    def submit_write(self, token, keys, pages, before=None):
+        if self.refuse:
+            return False
+        self.befores.append(before)
+        return super().submit_write(token, keys, pages, before)
+
+
 def test_a_later_disk_write_waits_for_the_host_copy_still_landing():
     """The commit-time L3 write is refused (queue full); a hit asks again while the GPU -> host copy is in flight:
     the write must wait for that copy, or the L3 would checksum and store half-copied pages."""
-
-    class RefusingWorker(L3Worker):
-        def __init__(self, store):
-            super().__init__(store, synchronous=True)
-            self.refuse, self.befores = True, []
-
-        def submit_write(self, token, keys, pages, before=None):
-            if self.refuse:
-                return False
-            self.befores.append(before)
-            return super().submit_write(token, keys, pages, before)
 
     h = Harness(device=4, host=8, copier=SlowCopier, worker=RefusingWorker)
     h.run(seq(1, 2))
@@ -314,17 +317,6 @@ def test_a_later_disk_write_waits_for_the_host_copy_still_landing():
 def test_a_disk_write_of_a_node_gone_from_the_gpu_still_waits_for_its_host_copy():
     """Freeing GPU pages only makes the GPU wait for their copy to host: the host pages may still be filling when
     the node, now on host only, is written to disk on a hit."""
-
-    class RefusingWorker(L3Worker):
-        def __init__(self, store):
-            super().__init__(store, synchronous=True)
-            self.refuse, self.befores = True, []
-
-        def submit_write(self, token, keys, pages, before=None):
-            if self.refuse:
-                return False
-            self.befores.append(before)
-            return super().submit_write(token, keys, pages, before)
 
     h = Harness(device=4, host=8, copier=SlowCopier, worker=RefusingWorker)
     h.run(seq(1, 2))  # GPU + host (copy in flight), the disk write refused

@@ -123,11 +123,8 @@ class CacheCollector:
 
     def _l3(self) -> Iterator[Metric]:
         l3 = self.l3
-        state = l3["state"] if l3 else "disabled"
-        family = GaugeMetricFamily("hicache_l3_state", "L3 store state (1 for the current one)", labels=["state"])
-        for name in sorted(set(L3_STATES) | {state}):
-            family.add_metric([name], 1.0 if name == state else 0.0)
-        yield family
+        yield _state_gauge("hicache_l3_state", "L3 store state (1 for the current one)", L3_STATES,
+                           l3["state"] if l3 else "disabled")
         backend = GaugeMetricFamily("hicache_l3_io_backend", "The L3 store's I/O path (1 for the active one)",
                                     labels=["backend"])
         backend.add_metric([l3["io_backend"] if l3 else "none"], 1.0)
@@ -138,12 +135,8 @@ class CacheCollector:
                 ops.add_metric([name], l3.get(name, 0))
             yield ops
         remote = (l3 or {}).get("remote")
-        state = remote["state"] if remote else "disabled"
-        family = GaugeMetricFamily("hicache_remote_state", "Shared tier state (1 for the current one)",
-                                   labels=["state"])
-        for name in sorted(set(REMOTE_STATES) | {state}):
-            family.add_metric([name], 1.0 if name == state else 0.0)
-        yield family
+        yield _state_gauge("hicache_remote_state", "Shared tier state (1 for the current one)", REMOTE_STATES,
+                           remote["state"] if remote else "disabled")
         if remote:
             ops = CounterMetricFamily("hicache_remote_operations", "Shared tier counters", labels=["op"])
             for name in REMOTE_COUNTERS:
@@ -213,3 +206,11 @@ class ServerMetrics:
         """The exposition text for these stats."""
         self.cache.stats, self.cache.l3 = stats, l3
         return generate_latest(self.registry)
+
+
+def _state_gauge(name: str, doc: str, states: tuple[str, ...], state: str) -> GaugeMetricFamily:
+    """One gauge per known state (and the current one, if unknown), 1 for the current one."""
+    family = GaugeMetricFamily(name, doc, labels=["state"])
+    for s in sorted(set(states) | {state}):
+        family.add_metric([s], 1.0 if s == state else 0.0)
+    return family
