@@ -134,6 +134,9 @@ class CacheCollector:
             for name in L3_COUNTERS:
                 ops.add_metric([name], l3.get(name, 0))
             yield ops
+            if "restarts" in l3:  # the store runs in a process of its own (controller/l3_process.py)
+                yield CounterMetricFamily("hicache_l3_process_restarts", "L3 processes started again after one died",
+                                          value=l3["restarts"])
         remote = (l3 or {}).get("remote")
         yield _state_gauge("hicache_remote_state", "Shared tier state (1 for the current one)", REMOTE_STATES,
                            remote["state"] if remote else "disabled")

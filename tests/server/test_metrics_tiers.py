@@ -1,0 +1,28 @@
+"""The L3 and shared-tier metric families from the stats they are given (hicache/server/metrics.py)."""
+
+from __future__ import annotations
+
+from hicache.server.metrics import CacheCollector
+
+
+def _families(l3):
+    collector = CacheCollector(page_bytes=4096)
+    collector.stats, collector.l3 = {"cache": {"hit_tokens": {"disk": 64, "remote": 128}}}, l3
+    return {f.name: {tuple(s.labels.values()): s.value for s in f.samples} for f in collector.collect()}
+
+
+def test_a_process_l3_with_a_shared_tier_behind_it():
+    l3 = {"state": "ok", "io_backend": "posix", "writes": 5, "restarts": 2, "process": 123,
+          "remote": {"state": "down", "hits": 7, "bad_values": 1}}
+    f = _families(l3)
+    assert f["hicache_l3_state"][("ok",)] == 1.0 and f["hicache_l3_state"][("gone",)] == 0.0
+    assert f["hicache_l3_process_restarts"][()] == 2
+    assert f["hicache_remote_state"][("down",)] == 1.0 and f["hicache_remote_state"][("ok",)] == 0.0
+    assert f["hicache_remote_operations"][("hits",)] == 7 and f["hicache_remote_operations"][("bad_values",)] == 1
+    assert f["hicache_cache_hit_tokens"][("remote",)] == 128 and f["hicache_cache_hit_tokens"][("disk",)] == 64
+
+
+def test_no_l3_and_no_shared_tier():
+    f = _families(None)
+    assert f["hicache_l3_state"][("disabled",)] == 1.0 and f["hicache_remote_state"][("disabled",)] == 1.0
+    assert "hicache_l3_process_restarts" not in f and "hicache_remote_operations" not in f
