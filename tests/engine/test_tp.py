@@ -51,10 +51,14 @@ def test_split_ranks_give_one_ranks_logits_and_tokens(reference, tmp_path, size)
 
 
 def test_a_rank_that_dies_ends_the_others_with_an_error(tmp_path):
+    """The survivor's collective fails: gloo either raises (a named error) or aborts the process (SIGABRT, seen
+    on a loaded machine); both end it, neither hangs (a hang fails `_run`'s timeout)."""
     results = _run("random:tiny", 2, str(tmp_path / "x.pt"), "--die-after-steps", "2", "--timeout-s", "10",
                    timeout=90)
     assert results[1].returncode == 3  # the one that died
-    assert results[0].returncode == 4 and "rank 0:" in results[0].stderr  # a named error, within the timeout
+    survivor = results[0]
+    assert (survivor.returncode == 4 and "rank 0:" in survivor.stderr) or survivor.returncode == -6, (
+        survivor.returncode, survivor.stderr[-1500:])
 
 
 def test_shapes_that_cannot_be_split_are_refused_by_name():
