@@ -218,8 +218,11 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>", block_tokens: int |
 AGENT = "agent"  # coding-agent session JSON (../shared/traces/agent/): one session per file
 
 
-def _agent_requests(obj: dict, scope: str, start_s: float, where: str, out: list[TraceRecord]) -> None:
-    """A session's requests (sub-agents flattened in, same id scope) as records at start_s + their own `t`."""
+def _agent_requests(obj: dict, scope: str, start_s: float, where: str, out: list[TraceRecord],
+                    tokens: dict | None = None) -> None:
+    """A session's requests (sub-agents flattened in, same id scope) as records at start_s + their own `t`.
+    `tokens`: the session's ids already mapped (each turn repeats the prefix of the one before)."""
+    tokens = {} if tokens is None else tokens
     requests = obj.get("requests")
     if not isinstance(requests, list):
         raise TraceError(f"{where}: `requests` must be a list")
@@ -227,14 +230,17 @@ def _agent_requests(obj: dict, scope: str, start_s: float, where: str, out: list
         if not isinstance(r, dict):
             raise TraceError(f"{where}: request {i} is not an object")
         if r.get("type") == "subagent":
-            _agent_requests(r, scope, start_s, f"{where} sub-agent {i}", out)
+            _agent_requests(r, scope, start_s, f"{where} sub-agent {i}", out, tokens)
             continue
         ids, n_in, n_out, t = r.get("hash_ids"), r.get("in"), r.get("out"), r.get("t", 0.0)
         if (not isinstance(ids, list) or isinstance(n_in, bool) or not isinstance(n_in, int) or n_in < 1
                 or isinstance(t, bool) or not isinstance(t, (int, float))):
             raise TraceError(f"{where}: request {i} needs `in` >= 1, `t` and a `hash_ids` list")
+        if not all(isinstance(h, (int, str)) and not isinstance(h, bool) for h in ids):
+            raise TraceError(f"{where}: request {i}: every hash id must be an integer or a string")
         out.append(TraceRecord((start_s + float(t)) * 1e3, n_in, n_out if isinstance(n_out, int) else 0,
-                               [_block_token(f"{scope}:{h}") for h in ids], i + 1))
+                               [tokens.get(h) or tokens.setdefault(h, _block_token(f"{scope}:{h}")) for h in ids],
+                               i + 1))
 
 
 def read_agent_sessions(paths: Sequence[str | Path], offset_s: float = 0.0) -> Trace:

@@ -192,3 +192,11 @@ def test_agent_sessions_replay_directly(tmp_path):
     got = json.loads(out.read_text())
     # per session: turn 2 hits its 2 blocks of turn 1, the sub-agent its session's block 1; no hit across sessions
     assert sum(got["hit_blocks"].values()) == 2 + 1 + 2
+
+
+def test_an_agent_hash_id_that_is_neither_integer_nor_string_is_refused_by_name(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"id": "s", "block_size": 64,
+                                "requests": [{"t": 0, "in": 128, "out": 4, "hash_ids": [1, [2]]}]}))
+    assert main(["replay", str(path), "--no-progress"]) == 2
+    assert "every hash id must be an integer or a string" in capsys.readouterr().err
