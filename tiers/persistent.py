@@ -7,7 +7,7 @@ for disk pages the same way wherever they are. Here the two are combined:
 - probes ask the local store first and the remote store for what it lacks;
 - reads take each page from the local store when it has it, and from the remote store otherwise (and for a local
   page that fails its checksum);
-- writes go to both: the local copy is this server's, the remote copy every server's;
+- writes go to both at once: the local copy is this server's, the remote copy every server's;
 - a page evicted from the disk tier leaves the local store only: the shared copy stays for the other servers,
   and the remote server's own LRU evicts it.
 
@@ -19,6 +19,7 @@ The disk tier's capacity is the local store's plus the remote pages this server 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
@@ -50,6 +51,8 @@ class PersistentTiers:
         self.remote_pages = remote_pages
         self.page_bytes = remote.page_bytes
         self.capacity_pages = (local.capacity_pages if local is not None else 0) + remote_pages
+        # a write goes to the shared tier on this thread while the local store writes on the caller's
+        self._remote_writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-remote-write")
 
     @property
     def io_backend(self) -> str:
@@ -85,10 +88,13 @@ class PersistentTiers:
                              pages: Sequence[Any]) -> tuple[list[bool], list[str | None]]:
         """Write to both; a page is stored if either took it (the reason of a refused page is the local store's
         where there is one)."""
-        remote_ok, remote_why = self.remote.write_pages_detailed(keys, pages)
         if self.local is None:
-            return remote_ok, remote_why
-        local_ok, local_why = self.local.write_pages_detailed(keys, pages)
+            return self.remote.write_pages_detailed(keys, pages)
+        shared = self._remote_writer.submit(self.remote.write_pages_detailed, keys, pages)  # both at once
+        try:
+            local_ok, local_why = self.local.write_pages_detailed(keys, pages)
+        finally:
+            remote_ok, _ = shared.result()
         ok = [a or b for a, b in zip(local_ok, remote_ok)]
         return ok, [None if good else why for good, why in zip(ok, local_why)]
 
@@ -132,6 +138,7 @@ class PersistentTiers:
                 "capacity_pages": self.capacity_pages, "remote": remote}
 
     def close(self) -> None:
+        self._remote_writer.shutdown(wait=True)
         try:
             if self.local is not None:
                 self.local.close()
