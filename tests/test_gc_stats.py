@@ -27,9 +27,11 @@ def test_freeze_startup_moves_live_objects_out_of_collection() -> None:
     try:
         kept = [{"n": i} for i in range(1000)]  # alive at the freeze: frozen with everything else
         frozen = gc_stats.freeze_startup()
-        assert frozen == gc.get_freeze_count() > len(kept)
+        # frozen objects can only leave the permanent generation (when freed, by another test's thread too), so
+        # the count read later is at most the one returned
+        assert frozen > len(kept) and len(kept) < gc.get_freeze_count() <= frozen
         snap = gc_stats.snapshot()
-        assert snap["frozen"] == frozen and len(snap["collections"]) == 3
+        assert len(kept) < snap["frozen"] <= frozen and len(snap["collections"]) == 3
     finally:
         gc.unfreeze()  # the rest of the test session collects as usual
     assert gc.get_freeze_count() == 0
