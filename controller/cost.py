@@ -84,9 +84,16 @@ class CostModel:
             k = self.pages_to_load(page_tiers)
             return LoadPlan(k, k, k)
         host, disk = self._load_prefix_sums(page_tiers)
+        # cut where the tier changes: a prefix of many nodes in one tier is one run, so the plan does not depend on
+        # how the tree split it, and the search below (quadratic in the runs) stays small as sessions grow
         bounds = [0]
-        for _, n in page_tiers:
-            bounds.append(bounds[-1] + n)
+        last = None
+        for tier, n in page_tiers:
+            if tier == last and len(bounds) > 1:
+                bounds[-1] += n
+            else:
+                bounds.append(bounds[-1] + n)
+            last = tier
         best: tuple[float, int, LoadPlan] | None = None
         for k in bounds:
             for n in bounds:

@@ -48,6 +48,16 @@ def test_plan_special_cases():
     assert dataclasses.replace(cost, disk_to_device_bytes_per_s=0.1).plan([(DISK, 8)]) == LoadPlan(0, 0, 0)
 
 
+def test_plan_does_not_depend_on_how_a_tier_is_split_into_nodes():
+    """A prefix of one tier is one run: the same plan for 1 node of 12 pages as for 12 of 1, or 6 of 2."""
+    cost = unit_cost()
+    whole = [(DEVICE, 2), (HOST, 4), (DISK, 12)]
+    split = [(DEVICE, 1), (DEVICE, 1)] + [(HOST, 1)] * 4 + [(DISK, 2)] * 6
+    assert cost.plan(split) == cost.plan(whole) == LoadPlan(6, 15, 18)
+    many = [(HOST, 1)] * 400 + [(DISK, 1)] * 400  # a long session's prefix, one node a turn
+    assert cost.plan(many) == cost.plan([(HOST, 400), (DISK, 400)])
+
+
 def test_plan_needs_auto_mode_and_known_costs():
     runs = [(DEVICE, 1), (DISK, 4)]
     assert unit_cost(mode="never").plan(runs) == LoadPlan(1, 1, 1)
