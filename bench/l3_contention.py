@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
         import tiers.l3.format
 
         tiers.l3.format._XXH3_64 = None
+        tiers.l3.format._NativeStream.lib = None  # the pieces' streaming hash too
     result = run(args)
     pinned = (", engine thread pinned" if result["pinned"] else "") + f", switch {result['switch_interval_ms']:g} ms"
     print(f"{args.pages} x {args.page_bytes} B pages in {args.dir}, batches of {args.batch}, "

@@ -68,6 +68,8 @@ class L3Worker:
             self._writer = threading.Thread(target=self._write_loop, name="hicache-l3-write", daemon=True)
             self._writer.start()
 
+    refusal = "l3_queue_full"  # why `submit_write` refuses a write: its queue is full
+
     @property
     def queued_write_pages(self) -> int:
         return self._queued_pages

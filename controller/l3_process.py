@@ -179,7 +179,7 @@ def _answer(store: Any, pages: _Pages, conn: Connection) -> None:
             elif method == "write_pages":
                 value = store.write_pages(args[0], [pages.buffer(r) for r in args[1]])
             elif method == "discard":
-                value = getattr(store, "discard", store.delete)(args[0])
+                value = store.discard(args[0])
             elif method == "read_pages":
                 value = store.read_pages(args[0], [pages.buffer(r) for r in args[1]])
             elif method in _STORE_CALLS:

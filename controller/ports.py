@@ -112,6 +112,7 @@ class NoWorker:
 
     queue_pages = 0
     queued_write_pages = 0
+    refusal = "l3_queue_full"
 
     def submit_write(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any], before: Any = None) -> bool:
         return False

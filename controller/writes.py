@@ -293,7 +293,7 @@ class Writes:
                 return "l3_queue_full"
         before = handle.wait if handle is not None and not bounce else None
         if not self.worker.submit_write(node, node.keys, pages, before):
-            return getattr(self.worker, "refusal", "l3_queue_full")
+            return self.worker.refusal
         self.transfers.writing[node.id] = node
         if bounce:  # the write owns its bytes: record the page as on disk now so the node may leave host
             self.transfers.bounced.add(node.id)

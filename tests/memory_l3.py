@@ -44,6 +44,9 @@ class MemoryL3:
     def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         return sum(self.data.pop(k, None) is not None for k in keys)
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        return self.delete(keys)
+
     def used_pages(self) -> int:
         return len(self.data)
 

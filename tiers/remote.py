@@ -116,14 +116,15 @@ class _Connection:
     def send(self, buffers: list[bytes | memoryview]) -> None:
         """Send every buffer (sendmsg: the kernel gathers them, nothing is joined here)."""
         views = [memoryview(b).cast("B") for b in buffers]
-        while views:
-            sent = self.sock.sendmsg(views[:512])
+        first = 0
+        while first < len(views):
+            sent = self.sock.sendmsg(views[first:first + 512])
             while sent:
-                if sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
+                if sent >= len(views[first]):
+                    sent -= len(views[first])
+                    first += 1
                 else:
-                    views[0] = views[0][sent:]
+                    views[first] = views[first][sent:]
                     sent = 0
 
     def _fill(self) -> None:
@@ -180,7 +181,7 @@ class _Connection:
                 return None
             data = bytearray(n)
             self._into(memoryview(data))
-            self._into(memoryview(bytearray(2)))
+            self._skip(2)
             return bytes(data)
         if kind == b"*":
             n = int(rest)

@@ -52,24 +52,41 @@ def slot_bytes_for(page_bytes: int) -> int:
 NATIVE_CHECKSUM_MIN_BYTES = 64 << 10  # below this, the Python binding's lower call cost wins
 
 
-def _native_xxh3():
-    """XXH3_64bits of the system's libxxhash through ctypes, or None where there is none. ctypes releases the
-    interpreter lock for the call, so hashing a page (0.1-0.2 ms for 8 MiB) does not stop the engine thread;
-    the `xxhash` binding holds the lock while it hashes. Both compute the same xxh3_64 (seed 0).
-    $HICACHE_LIBXXHASH names the library where the system's loader does not find one."""
+def _libxxhash():
+    """The system's libxxhash through ctypes, or None where there is none. ctypes releases the interpreter lock for
+    each call, so hashing a page (0.1-0.2 ms for 8 MiB) does not stop the engine thread; the `xxhash` binding holds
+    the lock while it hashes. Both compute the same xxh3_64 (seed 0). $HICACHE_LIBXXHASH names the library where
+    the system's loader does not find one."""
     name = os.environ.get("HICACHE_LIBXXHASH") or ctypes.util.find_library("xxhash")
     if name is None:
         return None
     try:
-        fn = ctypes.CDLL(name).XXH3_64bits
+        lib = ctypes.CDLL(name)
+        lib.XXH3_64bits.restype = ctypes.c_uint64
+        lib.XXH3_64bits.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     except (OSError, AttributeError):
         return None
-    fn.restype = ctypes.c_uint64
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    return fn
+    return lib
 
 
-_XXH3_64 = _native_xxh3()
+def _stream_api(lib):
+    """lib with the prototypes of its streaming xxh3_64 set, or None where it lacks them."""
+    if lib is None:
+        return None
+    try:
+        lib.XXH3_createState.restype = ctypes.c_void_p
+        lib.XXH3_freeState.argtypes = (ctypes.c_void_p,)
+        lib.XXH3_64bits_reset.argtypes = (ctypes.c_void_p,)
+        lib.XXH3_64bits_update.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+        lib.XXH3_64bits_digest.argtypes = (ctypes.c_void_p,)
+        lib.XXH3_64bits_digest.restype = ctypes.c_uint64
+    except AttributeError:
+        return None
+    return lib
+
+
+_LIBXXHASH = _libxxhash()
+_XXH3_64 = _LIBXXHASH.XXH3_64bits if _LIBXXHASH is not None else None
 
 
 class _NativeStream:
@@ -93,24 +110,7 @@ class _NativeStream:
             self.lib.XXH3_freeState(self.state)
 
 
-def _native_stream_lib():
-    name = os.environ.get("HICACHE_LIBXXHASH") or ctypes.util.find_library("xxhash")
-    if name is None:
-        return None
-    try:
-        lib = ctypes.CDLL(name)
-        lib.XXH3_createState.restype = ctypes.c_void_p
-        lib.XXH3_freeState.argtypes = (ctypes.c_void_p,)
-        lib.XXH3_64bits_reset.argtypes = (ctypes.c_void_p,)
-        lib.XXH3_64bits_update.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-        lib.XXH3_64bits_digest.argtypes = (ctypes.c_void_p,)
-        lib.XXH3_64bits_digest.restype = ctypes.c_uint64
-    except (OSError, AttributeError):
-        return None
-    return lib
-
-
-_NativeStream.lib = _native_stream_lib()
+_NativeStream.lib = _stream_api(_LIBXXHASH)
 
 
 def checksum_stream():

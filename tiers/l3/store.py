@@ -389,6 +389,11 @@ class L3Store:
             self._commit_drop(gone, release=True)
         return len(gone)
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Delete pages wherever they are kept: here, `delete` (a store with a shared tier behind it also deletes
+        the shared copies, tiers/persistent.py)."""
+        return self.delete(keys)
+
     def _commit_pending_drops(self) -> None:
         """Durably drop the index entries `delete(wait=False)` removed, and free their slots."""
         with self._lock:
