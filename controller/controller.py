@@ -269,6 +269,8 @@ class TierController:
         """Apply finished L3 I/O to the tree (the scheduler calls it once per step, through `step`)."""
         for c in self.worker.completions():
             (self.writes if c.kind == "write" else self.loads).apply(c)
+        if self.writes.waiting_disk:
+            self.writes.drain_waiting()
         self.eviction.remove_invalid()
         if self.eviction.landing:
             self.eviction.reap_host_frees()
@@ -316,5 +318,12 @@ class TierController:
             self.writes.flush_backups()
         self.worker.wait_idle()
         self.poll()
+        while self.writes.waiting_disk:  # writes waiting for queue room: each round, the empty queue takes more
+            waiting = self.writes.waiting_disk_pages
+            self.worker.wait_idle()
+            self.poll()
+            if self.writes.waiting_disk_pages >= waiting:  # no progress (the worker refuses): they are lost
+                self.writes.drop_waiting()
+                break
         self.eviction.reap_host_frees(wait=True)
         self.worker.close()

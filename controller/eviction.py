@@ -57,9 +57,13 @@ class Eviction:
         return pool.allocate(n)
 
     def evict(self, tier: str, need: int, protect: TreeNode | None = None) -> int:
-        """Evict the lowest-priority unlocked leaves of a tier until `need` pages are free there."""
+        """Evict the lowest-priority unlocked leaves of a tier until `need` pages are free there. The host copy of
+        a locked node on the GPU may go (see radix.tree), unless a copy to the GPU still reads it."""
         freed = 0
-        skip = (lambda node: node is protect) if protect is not None else None
+        if tier == HOST:
+            skip = lambda node: node is protect or (node.lock_ref > 0 and not self.transfers.ready(node))  # noqa: E731
+        else:
+            skip = (lambda node: node is protect) if protect is not None else None
         while freed < need:
             node = self.tree.pop_evictable(tier, skip)
             if node is None:

@@ -10,7 +10,10 @@ A policy is a strategy object that answers three events for a node: it was just 
 - `NoWrites` stands for a tier that is absent.
 
 GPU -> host copies go through the copier; host -> L3 writes through the L3 worker's bounded queue.
-A node larger than the largest write the queue takes is split and written in parts. A write that
+A node larger than the largest write the queue takes is split and written in parts. A write the full
+queue refuses waits, oldest first, until the queue has room (`drain_waiting`, each poll): bursts of new
+pages (a long first prompt) outrun the disk for a while without losing their writes. Only a page that
+leaves host memory before its turn comes is dropped then, as `l3_queue_full`. A write that
 cannot be made is dropped and counted in `stats.drops` by reason: `host_full`, `l3_queue_full`,
 `disk_full`, `l3_gone` (the L3 process died), and for what the L3 store refuses `not_admitted` (its admission
 rule, `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
@@ -142,6 +145,11 @@ class Writes:
         self.deferred: deque[TreeNode] = deque()  # committed nodes whose copy to host waits (oldest first)
         self.flush_slice_pages = max(1, FLUSH_SLICE_BYTES // max(1, page_bytes))  # see FLUSH_SLICE_BYTES
         self._flush_budget = self.flush_slice_pages  # backlog pages this step may still start (begin_step renews)
+        # nodes whose L3 write waits for room in the queue, oldest first, and the ids of every node (split parts
+        # included) still waiting: see the module doc
+        self.waiting_disk: deque[TreeNode] = deque()
+        self._waiting: dict[int, TreeNode] = {}
+        tree.split_listeners.append(self._split)
         eviction.hook = self
 
     # ------------------------------------------------------------------ events
@@ -179,6 +187,13 @@ class Writes:
         elif tier == HOST:
             if not node.on_disk and node.id not in self.transfers.writing and self.to_disk.on_evict(node):
                 self.write_to_disk(node, bounce=True)
+            if self._waiting.pop(node.id, None) is not None:  # its turn in the L3 queue did not come in time
+                if not node.on_disk and node.id not in self.transfers.writing:
+                    self.stats.drops["l3_queue_full"] += node.num_pages
+
+    def _split(self, upper: TreeNode, lower: TreeNode) -> None:
+        if lower.id in self._waiting:
+            self._waiting[upper.id] = upper
 
     # ------------------------------------------------------------------ deferred write-through
 
@@ -251,6 +266,8 @@ class Writes:
         with it the bytes are copied first so the host pages can be freed now."""
         if node.on_disk or node.id in self.transfers.writing or not node.on_host:
             return node.on_disk
+        if node.id in self._waiting and not bounce:
+            return False  # it waits its turn (drain_waiting)
         if handle is None:  # a write asked for later (a hit, an eviction) may still find its host copy landing
             handle = self._copy_in_flight(node)
         parts = []
@@ -259,10 +276,55 @@ class Writes:
         parts.append(node)
         for i, part in enumerate(parts):
             refused = self._write_part(part, handle, bounce)
+            if refused == "l3_queue_full" and not bounce:  # this part and the rest wait for room
+                self.waiting_disk.extend(parts[i:])
+                self._waiting.update((p.id, p) for p in parts[i:])
+                return False
             if refused is not None:  # the parts after it would be refused the same way
                 self.stats.drops[refused] += sum(p.num_pages for p in parts[i:])
                 return False
         return True
+
+    def drain_waiting(self) -> int:
+        """Queue the waiting L3 writes, oldest first, while the queue has room; returns the pages queued."""
+        queued = 0
+        worker = self.worker
+        while self.waiting_disk:
+            node = self.waiting_disk[0]
+            parts = [node]  # with the parts split off above it since, top-down
+            while (up := parts[0].parent) is not None and up.id in self._waiting:
+                parts.insert(0, up)
+            for part in parts:
+                if part.id not in self._waiting:
+                    continue
+                if part.removed or part.on_disk or part.id in self.transfers.writing or not part.on_host:
+                    del self._waiting[part.id]
+                    if part.removed and not part.on_disk:  # removed with an ancestor before its turn
+                        self.stats.drops["l3_queue_full"] += part.num_pages
+                    continue
+                if worker.queued_write_pages + part.num_pages > worker.queue_pages:
+                    return queued  # still no room: it stays first in line
+                refused = self._write_part(part, self._copy_in_flight(part), bounce=False)
+                if refused == "l3_queue_full":  # the worker's own queue is full after all: wait on
+                    return queued
+                del self._waiting[part.id]
+                if refused is not None:
+                    self.stats.drops[refused] += part.num_pages
+                else:
+                    queued += part.num_pages
+            self.waiting_disk.popleft()
+        return queued
+
+    def drop_waiting(self) -> None:
+        """Give up the waiting writes (shutdown, the queue making no progress), counted as l3_queue_full."""
+        self.stats.drops["l3_queue_full"] += self.waiting_disk_pages
+        self.waiting_disk.clear()
+        self._waiting.clear()
+
+    @property
+    def waiting_disk_pages(self) -> int:
+        """Pages whose L3 write waits for room in the queue (still in host memory)."""
+        return sum(n.num_pages for n in self._waiting.values() if not n.removed and n.on_host and not n.on_disk)
 
     def _copy_in_flight(self, node: TreeNode) -> TransferHandle | None:
         """The GPU -> host copies that fill this node's host pages and have not landed yet, as one handle (None:

@@ -11,7 +11,10 @@ Invariants (checked by `check_integrity`):
   residency is usually prefix-closed per tier; where it is not (a continuation found on L3 under
   a prefix that is only in memory), a node that leaves its last tier takes its whole subtree with
   it, since nothing below an uncached page can be reached;
-- a locked node (lock_ref > 0, counted along the path to the root) is never evicted;
+- a locked node (lock_ref > 0, counted along the path to the root) is never evicted from the GPU or L3;
+  its host copy may go once the node is on the GPU (a lock guards the pages a request reads, and those are
+  the GPU's; the host copy of a running request's prefix is a spare, and holding it starved the host tier of
+  room for new pages). Whoever evicts keeps a host copy that a transfer still reads (`pop_evictable`'s skip);
 - a pinned node (pin_ref > 0, also counted along the path) keeps its host copy and is never removed,
   but may leave the GPU or L3 while another tier holds it: pins guard host pages that an L3 write is
   reading, without holding GPU pages hostage to the disk's speed.
@@ -31,6 +34,7 @@ from radix.policy import DEFAULT_HALF_LIFE, eviction_priority, tier_policies
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
 _TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
+_DEVICE, _HOST = _TIER_INDEX[DEVICE], _TIER_INDEX[HOST]
 
 
 class TreeNode:
@@ -367,6 +371,8 @@ class RadixTree:
         if node.tier_children[ti] == 0:
             self._leaves[ti].add(node)
             self._push(ti, node)
+        if ti == _DEVICE and node.lock_ref > 0 and node in self._leaves[_HOST]:
+            self._push(_HOST, node)  # locked, its host copy may go now (it was passed over as held before)
 
     def clear_location(self, node: TreeNode, tier: str) -> tuple[list[Any], list[TreeNode]]:
         """Drop `node`'s copy in `tier`; returns (its page ids there, orphaned descendants).
@@ -479,8 +485,9 @@ class RadixTree:
 
     @staticmethod
     def _held(node: TreeNode, ti: int) -> bool:
-        """Whether node may not leave tier ti now: it is locked, or pinned and the tier is host or its last."""
-        if node.lock_ref > 0:
+        """Whether node may not leave tier ti now: it is locked (in host memory: and not on the GPU), or pinned
+        and the tier is host or its last."""
+        if node.lock_ref > 0 and (ti != _HOST or node.loc[_DEVICE] is None):
             return True
         if node.pin_ref == 0:
             return False
@@ -489,7 +496,7 @@ class RadixTree:
     # ------------------------------------------------------------------ locking
 
     def lock(self, node: TreeNode) -> None:
-        """Protect `node` and its ancestors from eviction in every tier."""
+        """Protect `node` and its ancestors from eviction (from host memory only while not on the GPU)."""
         while node is not None:
             node.lock_ref += 1
             node = node.parent

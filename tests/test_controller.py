@@ -283,6 +283,67 @@ def test_eviction_waits_only_for_copies_of_the_evicted_pages():
     h.ctrl.check_integrity()
 
 
+def test_a_running_prefix_gives_its_host_copy_to_new_pages():
+    # a request holds seq 1 on the GPU; its host copy is a spare: the backup of new pages takes its room instead
+    # of being refused, and the prefix stays on the GPU for the request
+    h = Harness(device=8, host=2, disk=0)
+    h.run(seq(1, 2))
+    ticket = h.ctrl.acquire(seq(1, 2), max_pages=2)
+    assert ticket.num_pages == 2 and h.ctrl.wait_ticket(ticket)
+    h.run(seq(2, 2))
+    assert not h.ctrl.stats.drops
+    tree = h.ctrl.tree
+    first = tree.match_prefix(seq(1, 2), touch=False).last_node
+    second = tree.match_prefix(seq(2, 2), touch=False).last_node
+    assert first.on_device and not first.on_host and second.on_host
+    assert ticket.device_pages() == first.device_pages
+    h.ctrl.release(ticket)
+    h.check_all_bytes()
+    h.ctrl.check_integrity()
+
+
+class HeldLoadCopier(PageCopier):
+    """PageCopier whose host -> GPU loads stay 'in flight' until `land()` (the bytes move at once)."""
+
+    class Handle:
+        def __init__(self):
+            self.landed = False
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            self.landed = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.loads = []
+
+    def to_device(self, host_pages, device_pages):
+        super().to_device(host_pages, device_pages)
+        self.loads.append(self.Handle())
+        return self.loads[-1]
+
+
+def test_a_host_copy_a_load_still_reads_is_not_evicted():
+    h = Harness(device=8, host=2, disk=0, copier=HeldLoadCopier)
+    h.run(seq(1, 2))
+    first = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
+    h.ctrl.eviction.evict(DEVICE, 8)  # seq 1 now in host memory only
+    assert not first.on_device and first.on_host
+    ticket = h.ctrl.acquire(seq(1, 2), max_pages=2)  # loads it back: the copy reads the host pages
+    assert first.on_device and not ticket.ready()
+    assert h.ctrl.eviction.allocate(HOST, 2) is None  # the only host pages are the ones the copy reads
+    assert first.on_host
+    h.copier.loads[-1].landed = True
+    assert ticket.ready()
+    room = h.ctrl.eviction.allocate(HOST, 2)  # landed: the spare host copy may go now
+    assert room is not None and first.on_device and not first.on_host
+    h.host.free(room)
+    h.ctrl.release(ticket)
+    h.ctrl.check_integrity()
+
+
 class RefusingWorker(L3Worker):
     """A synchronous worker that refuses writes while `refuse` is set, and records each write's `before`."""
 
@@ -298,15 +359,16 @@ class RefusingWorker(L3Worker):
 
 
 def test_a_later_disk_write_waits_for_the_host_copy_still_landing():
-    """The commit-time L3 write is refused (queue full); a hit asks again while the GPU -> host copy is in flight:
-    the write must wait for that copy, or the L3 would checksum and store half-copied pages."""
+    """The commit-time L3 write is refused (queue full) and waits; it goes on a later step while the GPU -> host
+    copy is in flight: the write must wait for that copy, or the L3 would checksum and store half-copied pages."""
 
     h = Harness(device=4, host=8, copier=SlowCopier, worker=RefusingWorker)
     h.run(seq(1, 2))
     worker, copier = h.ctrl.worker, h.copier
-    assert h.ctrl.stats.drops["l3_queue_full"] == 2 and copier.handles and not copier.handles[0].landed
+    assert not h.ctrl.stats.drops and h.ctrl.writes.waiting_disk_pages == 2
+    assert copier.handles and not copier.handles[0].landed
     worker.refuse = False
-    h.run(seq(1, 2))  # a GPU hit: write-through asks for the disk copy again
+    h.run(seq(1, 2))  # the next step: the waiting write goes
     assert len(worker.befores) == 1 and worker.befores[0] is not None
     assert ("host wait", copier.handles[0]) in copier.log  # the write waited for the copy before reading the pages
     copier.handles[0].landed = True
@@ -324,8 +386,11 @@ def test_a_disk_write_of_a_node_gone_from_the_gpu_still_waits_for_its_host_copy(
     node = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
     assert not node.on_device and node.on_host and not h.copier.handles[0].landed
     h.ctrl.worker.refuse = False
-    assert h.ctrl.writes.write_to_disk(node)
-    assert len(h.ctrl.worker.befores) == 1 and h.ctrl.worker.befores[0] is not None
+    h.ctrl.poll()  # the waiting write goes
+    h.ctrl.poll()  # and its completion is applied
+    assert node.on_disk and h.ctrl.writes.waiting_disk_pages == 0
+    # both parts of seq 1 (split by the GPU eviction) waited for their copy; seq 2's write came after them
+    assert len(h.ctrl.worker.befores) == 3 and all(b is not None for b in h.ctrl.worker.befores[:2])
     assert ("host wait", h.copier.handles[0]) in h.copier.log
 
 
@@ -558,7 +623,7 @@ def test_l3_write_failure_leaves_page_unindexed():
     assert h.ctrl.stats.drops["l3_write_failed"] == 2 and h.ctrl.tree.pages_in[2] == 0
 
 
-def test_queue_full_drops_demotions():
+def test_a_write_the_full_queue_refuses_waits_and_is_dropped_only_if_it_leaves_host_first():
     class Stuck(L3Worker):
         def submit_write(self, *a, **k):
             return False
@@ -572,8 +637,44 @@ def test_queue_full_drops_demotions():
     pages = ctrl.alloc_device(2)
     ctrl.commit(t, seq(1, 2), pages)
     ctrl.release(t)
-    assert ctrl.stats.drops["l3_queue_full"] == 2 and ctrl.tree.pages_in == [2, 2, 0]
+    assert not ctrl.stats.drops and ctrl.writes.waiting_disk_pages == 2 and ctrl.tree.pages_in == [2, 2, 0]
+    ctrl.poll()  # the queue still refuses: the write keeps waiting
+    assert not ctrl.stats.drops and ctrl.writes.waiting_disk_pages == 2
+    assert ctrl.eviction.evict(HOST, 8) == 2  # the pages leave host memory before their turn came
+    assert ctrl.stats.drops == {"l3_queue_full": 2} and ctrl.writes.waiting_disk_pages == 0
+    assert ctrl.tree.pages_in == [2, 0, 0]
     ctrl.check_integrity()
+
+
+def test_waiting_writes_go_to_disk_in_order_once_the_queue_drains():
+    gated = GatedL3(64, LAYOUT.page_bytes)
+    h = Harness(device=16, host=16, l3=gated, worker=lambda store: L3Worker(store, threads=1, queue_pages=4))
+    try:
+        h.run(seq(1, 4))  # fills the queue; the writer thread blocks in the store
+        h.run(seq(2, 6))  # waits: 4 + 2 parts
+        h.run(seq(3, 2))  # waits behind it
+        assert h.ctrl.writes.waiting_disk_pages == 8 and not h.ctrl.stats.drops
+        # a split of a waiting node (a match of its first pages) leaves both parts waiting
+        h.ctrl.tree.split(h.ctrl.tree.match_prefix(seq(2, 6), touch=False).last_node, 1)
+        assert h.ctrl.writes.waiting_disk_pages == 8
+        gated.gate.set()
+        for _ in range(50):
+            assert h.ctrl.worker.wait_idle(10)
+            h.ctrl.poll()
+            if not h.ctrl.writes.waiting_disk:
+                break
+        assert h.ctrl.worker.wait_idle(10)
+        h.ctrl.poll()  # the last writes' completions
+        assert h.ctrl.tree.pages_in[2] == 12 and not h.ctrl.stats.drops
+        assert h.ctrl.writes.waiting_disk_pages == 0
+        h.ctrl.check_integrity()
+    finally:
+        gated.gate.set()
+        h.ctrl.close()
+    restarted = Harness(device=16, host=16, l3=gated)
+    for base, pages in ((1, 4), (2, 6), (3, 2)):
+        assert restarted.run(seq(base, pages)) == {DISK: pages}
+    restarted.check_all_bytes()
 
 
 def test_refused_l3_write_evicts_nothing_from_the_disk():
@@ -597,7 +698,7 @@ def test_refused_l3_write_evicts_nothing_from_the_disk():
         ctrl.release(t)
         ctrl.poll()
         worker.full = True  # the first write went to disk; the queue refuses the second
-    assert ctrl.stats.drops["l3_queue_full"] == 2 and ctrl.stats.evictions[DISK] == 0
+    assert ctrl.writes.waiting_disk_pages == 2 and ctrl.stats.evictions[DISK] == 0
     assert ctrl.tree.pages_in == [4, 4, 2]  # the first request's pages are still on disk
     ctrl.check_integrity()
 
@@ -769,16 +870,14 @@ def test_a_node_larger_than_the_write_queue_is_written_in_parts():
 
 
 def test_every_dropped_write_is_counted_with_its_reason():
-    # the host tier is full of locked pages: a GPU -> host copy is refused
+    # the host tier is full of pinned pages (an L3 write reading them): a GPU -> host copy is refused
     h = Harness(device=8, host=2, disk=0)
-    ticket = h.ctrl.acquire(seq(1, 2))
-    pages = h.ctrl.alloc_device(2)
-    h.ctrl.commit(ticket, seq(1, 2), pages)
-    other = h.ctrl.acquire(seq(1, 2))  # holds seq 1 (host copy included)
+    h.run(seq(1, 2))
+    node = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
+    h.ctrl.tree.pin(node)
     h.run(seq(2, 2))
     assert h.ctrl.stats.drops == {"host_full": 2}
-    h.ctrl.release(ticket)
-    h.ctrl.release(other)
+    h.ctrl.tree.unpin(node)
     # a disk tier smaller than the write: refused as disk_full
     h = Harness(device=8, host=8, l3=MemoryL3(2, LAYOUT.page_bytes))
     h.ctrl.eviction.disk_capacity = 2
@@ -790,12 +889,15 @@ def test_every_dropped_write_is_counted_with_its_reason():
     h = Harness(device=8, host=8, l3=l3)
     h.run(seq(4, 2))
     assert h.ctrl.stats.drops == {"l3_write_failed": 2}
-    # the queue holds a write in flight: the next is refused whole as l3_queue_full, parts and all
+    # the queue holds a write in flight: the next waits, parts and all, and is dropped as l3_queue_full when its
+    # pages leave host memory before their turn
     gated = GatedL3(32, LAYOUT.page_bytes)
     h = Harness(device=16, host=16, l3=gated, worker=lambda store: L3Worker(store, threads=1, queue_pages=4))
     try:
         h.run(seq(5, 4))  # fills the queue
-        h.run(seq(6, 6))  # 4 + 2 parts: the first is refused, the second with it
+        h.run(seq(6, 6))  # 4 + 2 parts wait
+        assert not h.ctrl.stats.drops
+        h.ctrl.eviction.evict(HOST, 12)  # seq 5's pages are pinned by their write; seq 6's go
         assert h.ctrl.stats.drops == {"l3_queue_full": 6}
     finally:
         gated.gate.set()
