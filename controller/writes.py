@@ -170,7 +170,8 @@ class Writes:
     def hit(self, nodes: Sequence[TreeNode]) -> None:
         """A request used these nodes: copies the policies make on hits, and retries of refused write-through."""
         for node in nodes:
-            if not node.on_host and node.on_device and self.to_host.on_hit(node) and not self.deferring():
+            if (not node.on_host and node.on_device and self.to_host.on_hit(node) and not self.deferring()
+                    and self._host_copy_pays(node)):
                 self.backup_to_host(node)
             if node.on_host and not node.on_disk and self.to_disk.on_hit(node):
                 if self.to_disk.counts_hits:
@@ -182,7 +183,8 @@ class Writes:
     def evicting(self, tier: str, node: TreeNode) -> None:
         """EvictionHook: the last chance to copy a node's pages down before they leave `tier`."""
         if tier == DEVICE:
-            if not node.on_host and self.to_host.on_evict(node) and self.backup_to_host(node):
+            if (not node.on_host and self.to_host.on_evict(node) and self._host_copy_pays(node)
+                    and self.backup_to_host(node)):
                 self.stats.eviction_backups += node.num_pages  # freeing its pages waits for this copy
         elif tier == HOST:
             if not node.on_disk and node.id not in self.transfers.writing and self.to_disk.on_evict(node):
@@ -190,6 +192,13 @@ class Writes:
             if self._waiting.pop(node.id, None) is not None:  # its turn in the L3 queue did not come in time
                 if not node.on_disk and node.id not in self.transfers.writing:
                     self.stats.drops["l3_queue_full"] += node.num_pages
+
+    def _host_copy_pays(self, node: TreeNode) -> bool:
+        """Whether a node still on the GPU should get a host copy now (leaving the GPU, or hit again). A node
+        the L3 holds gets one only in free host pages: evicting other host pages for it trades one cached copy
+        for another and costs a copy. Under load that churn (a running prefix's host copy evicted for new pages,
+        then copied back when the prefix left the GPU) cost the engine thread ~10 s of a 60 s run."""
+        return not node.on_disk or self.host.allocator.free_pages >= node.num_pages
 
     def _split(self, upper: TreeNode, lower: TreeNode) -> None:
         if lower.id in self._waiting:

@@ -302,6 +302,38 @@ def test_a_running_prefix_gives_its_host_copy_to_new_pages():
     h.ctrl.check_integrity()
 
 
+def test_a_node_on_disk_leaving_the_gpu_gets_a_host_copy_only_in_free_host_pages():
+    h = Harness(device=2, host=2, disk=16)
+    tree = h.ctrl.tree
+    h.run(seq(1, 2))  # GPU, host and disk
+    first = tree.match_prefix(seq(1, 2), touch=False).last_node
+    h.ctrl.eviction.evict(HOST, 2)
+    assert first.on_device and first.on_disk and not first.on_host
+    h.run(seq(2, 2))  # its backup takes the 2 free host pages; its GPU pages push seq 1 off the GPU
+    second = tree.match_prefix(seq(2, 2), touch=False).last_node
+    assert not first.on_device and not first.on_host and first.on_disk  # no host room made for seq 1's copy
+    assert second.on_host and h.ctrl.stats.eviction_backups == 0 and not h.ctrl.stats.drops
+    assert h.run(seq(1, 2)) == {DISK: 2}
+    h.check_all_bytes()
+    h.ctrl.check_integrity()
+    # with free host pages the copy is made (GPU -> host write-back: copies are made as pages leave the GPU)
+    h = Harness(device=2, host=4, disk=16, policy=WritePolicy(device_to_host="write_back",
+                                                               host_to_disk="write_through"))
+    h.run(seq(1, 2))
+    first = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
+    h.ctrl.eviction.evict(DEVICE, 2)  # not on disk yet: copied to host, and from there written through
+    h.ctrl.poll()
+    assert first.on_host and first.on_disk and h.ctrl.stats.eviction_backups == 2
+    assert h.run(seq(1, 2)) == {HOST: 2}
+    h.ctrl.eviction.evict(HOST, 2)
+    assert first.on_device and first.on_disk and not first.on_host
+    h.ctrl.eviction.evict(DEVICE, 2)  # on disk, and 4 free host pages: copied
+    assert first.on_host and h.ctrl.stats.eviction_backups == 4
+    assert h.run(seq(1, 2)) == {HOST: 2}
+    h.check_all_bytes()
+    h.ctrl.check_integrity()
+
+
 class HeldLoadCopier(PageCopier):
     """PageCopier whose host -> GPU loads stay 'in flight' until `land()` (the bytes move at once)."""
 

@@ -56,14 +56,19 @@ def _libxxhash():
     """The system's libxxhash through ctypes, or None where there is none. ctypes releases the interpreter lock for
     each call, so hashing a page (0.1-0.2 ms for 8 MiB) does not stop the engine thread; the `xxhash` binding holds
     the lock while it hashes. Both compute the same xxh3_64 (seed 0). $HICACHE_LIBXXHASH names the library where
-    the system's loader does not find one."""
+    the system's loader does not find one.
+
+    Where the library was built with its x86 dispatcher (Debian's is), the `_dispatch` entry points pick the widest
+    vector unit the CPU has at run time (AVX2, AVX-512); the plain ones are compiled for baseline x86-64 (SSE2).
+    Same digests; on a 2-core AVX-512 box 43 against 18 GB/s for 1 MiB."""
     name = os.environ.get("HICACHE_LIBXXHASH") or ctypes.util.find_library("xxhash")
     if name is None:
         return None
     try:
         lib = ctypes.CDLL(name)
-        lib.XXH3_64bits.restype = ctypes.c_uint64
-        lib.XXH3_64bits.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        lib.one_shot = getattr(lib, "XXH3_64bits_dispatch", None) or lib.XXH3_64bits
+        lib.one_shot.restype = ctypes.c_uint64
+        lib.one_shot.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     except (OSError, AttributeError):
         return None
     return lib
@@ -77,7 +82,8 @@ def _stream_api(lib):
         lib.XXH3_createState.restype = ctypes.c_void_p
         lib.XXH3_freeState.argtypes = (ctypes.c_void_p,)
         lib.XXH3_64bits_reset.argtypes = (ctypes.c_void_p,)
-        lib.XXH3_64bits_update.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+        lib.update = getattr(lib, "XXH3_64bits_update_dispatch", None) or lib.XXH3_64bits_update
+        lib.update.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
         lib.XXH3_64bits_digest.argtypes = (ctypes.c_void_p,)
         lib.XXH3_64bits_digest.restype = ctypes.c_uint64
     except AttributeError:
@@ -86,7 +92,7 @@ def _stream_api(lib):
 
 
 _LIBXXHASH = _libxxhash()
-_XXH3_64 = _LIBXXHASH.XXH3_64bits if _LIBXXHASH is not None else None
+_XXH3_64 = _LIBXXHASH.one_shot if _LIBXXHASH is not None else None
 
 
 class _NativeStream:
@@ -100,7 +106,7 @@ class _NativeStream:
 
     def update(self, buffer) -> None:
         array = np.frombuffer(buffer, dtype=np.uint8)
-        self.lib.XXH3_64bits_update(self.state, array.ctypes.data, array.nbytes)
+        self.lib.update(self.state, array.ctypes.data, array.nbytes)
 
     def digest(self) -> int:
         return self.lib.XXH3_64bits_digest(self.state)
