@@ -86,6 +86,9 @@ class TierController:
                            self.stats, cost or CostModel(tree.page_size, device.page_bytes),
                            prefetch and l3 is not None, shared_pages=getattr(self.l3, "shared_pages", None))
         self._private: set[int] = set()  # GPU pages handed to callers, not yet in the tree
+        # counts the events that can give host memory back to a prefetch (a ticket or hold released, I/O applied):
+        # a hold that stopped short is not asked again until one has happened (see `prefetch`)
+        self.host_room_version = 0
 
     @property
     def cost(self) -> CostModel:
@@ -160,11 +163,17 @@ class TierController:
         `hold` goes on where it stopped. See Loads.prefetch."""
         if not self.prefetch_enabled:
             return hold or PrefetchHold()
-        return self.loads.prefetch(self.match(tokens), max_pages, hold)
+        if hold is not None and hold.short and hold.room_version == self.host_room_version:
+            return hold  # nothing gave host memory back since it stopped: asking again (a match of a long prompt,
+            # an allocation that fails) costs the engine thread milliseconds a step for the same answer
+        hold = self.loads.prefetch(self.match(tokens), max_pages, hold)
+        hold.room_version = self.host_room_version
+        return hold
 
     def release_prefetch(self, hold: PrefetchHold) -> None:
         """Give back a prefetch hold (the request was admitted, or left the queue)."""
         self.loads.release_prefetch(hold)
+        self.host_room_version += 1
         self.eviction.remove_invalid()
 
     def alloc_device(self, n: int) -> list[int] | None:
@@ -244,6 +253,7 @@ class TierController:
         ticket.released = True
         self.tree.unlock(ticket.node)
         ticket.node = self.tree.root
+        self.host_room_version += 1
         self.eviction.remove_invalid()
 
     def stream_wait(self, ticket: LoadTicket) -> None:
@@ -269,11 +279,12 @@ class TierController:
         """Apply finished L3 I/O to the tree (the scheduler calls it once per step, through `step`)."""
         for c in self.worker.completions():
             (self.writes if c.kind == "write" else self.loads).apply(c)
+            self.host_room_version += 1
         if self.writes.waiting_disk:
             self.writes.drain_waiting()
         self.eviction.remove_invalid()
-        if self.eviction.landing:
-            self.eviction.reap_host_frees()
+        if self.eviction.landing and self.eviction.reap_host_frees():
+            self.host_room_version += 1
 
     def flush_backups(self) -> int:
         """Start every deferred backup now; returns the pages copied."""

@@ -582,9 +582,14 @@ def test_a_short_prefetch_goes_on_where_it_stopped_once_room_is_freed():
     second = h.ctrl.prefetch(seq(8, 2))  # 3 of the 4 pages the half-pool allows are held
     assert second.pages == 0 and second.short
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short  # still no room
+    matches = []
+    h.ctrl.lookup.match = lambda tokens, real=h.ctrl.lookup.match: matches.append(1) or real(tokens)
+    assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short
+    assert not matches  # nothing gave host room back since it stopped: not even matched again
     h.ctrl.release_prefetch(first)
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second
     assert not second.short and second.started == 2 and second.pages == 2 and h.ctrl.loads.prefetching == 2
+    assert matches == [1]
     again = h.ctrl.prefetch(seq(8, 2), hold=second)  # nothing left to take: no second pin, no second read
     assert again.started == 2 and len(again.pins) == 1 and again.pins[0][0].pin_ref == 1
     assert h.ctrl.stats.prefetched_pages == 5
