@@ -19,7 +19,7 @@ from controller.l3_io import Completion, L3Worker
 from controller.ports import Copier, HostPool, Pool, page_buffers
 from controller.stats import REMOTE, CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
-from controller.transfers import FAILED, PREFETCHED, DiskLoad, Transfers
+from controller.transfers import FAILED, PENDING_COPY, PREFETCHED, DiskLoad, Transfers
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 
 READ_ESTIMATE_HALF_LIFE_S = 5.0  # how fast the disk bandwidth estimate forgets old reads
@@ -205,6 +205,7 @@ class Loads:
             prefetch.to_device = True
         elif node.on_host:
             copies.append(node)
+            self.transfers.set(node, PENDING_COPY)  # its host copy must outlive the allocations of the nodes after it
             self.stats.moved(HOST, DEVICE, n, self.page_bytes)
         else:
             host_pages = self.eviction.allocate(HOST, n)
@@ -226,6 +227,9 @@ class Loads:
         for all: per-call costs (index uploads, stream waits, Python) are paid once per prefix, not per node."""
         if not nodes:
             return
+        asked = {id(n) for n in nodes}
+        pending = lambda p: id(p) not in asked and self.transfers.get(p) is PENDING_COPY  # noqa: E731
+        nodes = [part for node in nodes for part in self._pieces(node, pending)]  # with any parts split off above
         transfer = self.copier.to_device([p for n in nodes for p in n.host_pages],
                                          [p for n in nodes for p in n.device_pages])
         for node in nodes:

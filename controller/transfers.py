@@ -35,6 +35,20 @@ FAILED = Marker("FAILED")
 PREFETCHED = Marker("PREFETCHED")
 
 
+class PendingCopy:
+    """A host -> GPU copy asked for but not started yet (Loads.acquire starts a prefix's copies in one call once
+    all its nodes have their pages): like a copy in flight, it keeps the node's host pages from eviction."""
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise RuntimeError("wait on a copy that has not been started")
+
+
+PENDING_COPY = PendingCopy()
+
+
 class DiskLoad:
     """An L3 -> host read in flight for a node.
 

@@ -334,6 +334,28 @@ def test_a_node_on_disk_leaving_the_gpu_gets_a_host_copy_only_in_free_host_pages
     h.ctrl.check_integrity()
 
 
+def test_a_prefix_loading_from_host_keeps_its_host_copy_while_its_disk_part_finds_room():
+    # the prefix is 2 pages in host memory, then 2 on disk only; the host's other pages are pinned. The disk read's
+    # landing pages must not come from the first part's host copy, whose copy to the GPU has not started yet
+    h = Harness(device=8, host=4, disk=16)
+    tree = h.ctrl.tree
+    h.run(seq(1, 4))
+    h.ctrl.eviction.evict(DEVICE, 8)
+    h.ctrl.eviction.evict(HOST, 2)  # the last 2 pages leave host memory
+    h.run(seq(2, 2))
+    other = tree.match_prefix(seq(2, 2), touch=False).last_node
+    tree.pin(other)  # an L3 write reading them, say
+    ticket = h.ctrl.acquire(seq(1, 4), max_pages=4)
+    assert h.ctrl.wait_ticket(ticket) and not ticket.failed
+    assert ticket.num_pages == 2 and h.ctrl.stats.drops["host_full_on_load"] == 2
+    for i, p in enumerate(ticket.device_pages()):
+        assert torch.all(h.dev.kv[:, :, p] == page_value(tuple(seq(1, 4)), i))
+    h.ctrl.release(ticket)
+    tree.unpin(other)
+    h.check_all_bytes()
+    h.ctrl.check_integrity()
+
+
 class HeldLoadCopier(PageCopier):
     """PageCopier whose host -> GPU loads stay 'in flight' until `land()` (the bytes move at once)."""
 
