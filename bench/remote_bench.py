@@ -106,7 +106,7 @@ def main() -> None:
                   f"{gbs['sr'] / gbs['rr']:.2f} |")
     finally:
         if server is not None:
-            server.stop()
+            server.close()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The controller never blocks on the disk. It submits writes (host pages -> L3) and reads
 (L3 -> host pages); results come back as completions that the controller applies on its own
 thread in `poll()`. When the write queue holds `queue_pages` pages, further writes are refused
-and the controller counts them as dropped instead of stalling compute.
+instead of stalling compute; the controller keeps them waiting for room (controller/writes.py).
 
 Reads come first: a request waits for them, while writes are background work. The writer starts no
 new batch while reads are queued or running (for at most `READ_PRIORITY_MAX_WAIT_S` at a time, so a

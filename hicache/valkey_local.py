@@ -84,9 +84,13 @@ class LocalServer:
     def __enter__(self) -> LocalServer:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
+        """Stop the server and remove its working directory (`stop` keeps it for a `start` again)."""
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def main() -> None:

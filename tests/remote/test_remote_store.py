@@ -110,7 +110,7 @@ def test_down_at_startup_then_back_recovers_by_itself():
             time.sleep(0.05)
         assert store.state == "ok" and store.stats()["reconnects"] >= 1
     finally:
-        server.stop()
+        server.close()
 
 
 def test_a_server_killed_mid_read_fails_the_read_quickly_and_comes_back():
