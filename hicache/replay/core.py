@@ -120,8 +120,10 @@ class Replayer:
         host = MetadataPool(setup.host_blocks, setup.block_bytes, "host") if setup.host_blocks else None
         self.store = ReplayL3(setup.disk_blocks, setup.block_bytes, setup.admission_hits) if setup.disk_blocks else None
         worker = L3Worker(self.store, synchronous=True) if self.store is not None else None
+        # not adaptive: the server follows the disk's measured speed, but here a "read" is a metadata call whose
+        # time says nothing about a disk, and decisions that followed it would differ from run to run
         cost = CostModel(setup.block_tokens, setup.block_bytes, setup.load_mode, setup.prefill_tokens_per_s,
-                         setup.host_to_device_bytes_per_s, setup.disk_to_device_bytes_per_s)
+                         setup.host_to_device_bytes_per_s, setup.disk_to_device_bytes_per_s, adaptive=False)
         self.controller = _ReplayController(tree, device, host, self.store, None, setup.write_policy, cost,
                                             worker, setup.disk_blocks or None)
         self.totals = ReplayTotals()

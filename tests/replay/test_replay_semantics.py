@@ -10,6 +10,7 @@ import pytest
 from controller import WritePolicy
 from hicache.replay.core import Replayer, ReplayError, ReplaySetup
 from hicache.replay.trace import TraceRecord
+from radix import DISK
 
 TIERS = ("device", "host", "disk")
 WRITE_THROUGH = WritePolicy.eager()
@@ -270,3 +271,28 @@ def test_the_lru_inclusive_preset_agrees_with_the_reference_on_agent_sessions(tm
             want[tier] += 1
     got = json.loads(out.read_text())["hit_blocks"]
     assert got == want and sum(want.values()) > 0
+
+
+def test_a_replay_decides_the_same_whatever_its_metadata_calls_take(monkeypatch) -> None:
+    """With the cost model on (load mode auto, a slow disk near the break-even), a replay must not follow the
+    measured time of its store calls, as the server follows its disk: those calls are metadata, and the outcome
+    would change from run to run with the machine's load."""
+    import time
+
+    from hicache.replay.store import ReplayL3
+
+    trace = random_trace(random.Random(5), 120, 12)
+    setup = ReplaySetup(4, 6, 10, 60, block_bytes=4 << 20, load_mode="auto", prefill_tokens_per_s=4000.0,
+                        host_to_device_bytes_per_s=50e9, disk_to_device_bytes_per_s=4.2e9,
+                        write_policy=WRITE_THROUGH)
+    quick = Replayer(setup).run(records(trace))
+    real_read = ReplayL3.read_pages
+
+    def slow_read(self, keys, out):
+        time.sleep(0.002)  # a loaded box: 2 ms per metadata read
+        return real_read(self, keys, out)
+
+    monkeypatch.setattr(ReplayL3, "read_pages", slow_read)
+    slow = Replayer(setup).run(records(trace))
+    assert quick.hit_blocks[DISK] > 0
+    assert slow.hit_blocks == quick.hit_blocks and slow.matched_not_served_blocks == quick.matched_not_served_blocks
