@@ -300,7 +300,8 @@ class TierController:
 
     def report(self) -> dict[str, Any]:
         """Counters, tier usage and the cost model, for the engine's stats and /metrics."""
-        return {"cache": self.stats.snapshot(), "tiers": self.usage(), "cost_model": self.cost.describe()}
+        cache = {**self.stats.snapshot(), "l3_write_waiting_pages": self.writes.waiting_disk_pages}
+        return {"cache": cache, "tiers": self.usage(), "cost_model": self.cost.describe()}
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Used and capacity pages per tier present."""

@@ -713,6 +713,7 @@ def test_waiting_writes_go_to_disk_in_order_once_the_queue_drains():
         h.run(seq(2, 6))  # waits: 4 + 2 parts
         h.run(seq(3, 2))  # waits behind it
         assert h.ctrl.writes.waiting_disk_pages == 8 and not h.ctrl.stats.drops
+        assert h.ctrl.report()["cache"]["l3_write_waiting_pages"] == 8
         # a split of a waiting node (a match of its first pages) leaves both parts waiting
         h.ctrl.tree.split(h.ctrl.tree.match_prefix(seq(2, 6), touch=False).last_node, 1)
         assert h.ctrl.writes.waiting_disk_pages == 8

@@ -100,6 +100,8 @@ class CacheCollector:
         yield drops
         for name, doc, key in CACHE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=cache.get(key, 0))
+        yield GaugeMetricFamily("hicache_l3_write_waiting_pages", "Pages in host memory whose L3 write waits for room "
+                                "in the write queue", value=cache.get("l3_write_waiting_pages", 0))
         yield from self._tiers(s.get("tiers", {}))
         yield from self._l3()
         yield from self._scheduler(s)

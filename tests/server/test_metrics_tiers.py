@@ -7,7 +7,8 @@ from hicache.server.metrics import CacheCollector
 
 def _families(l3):
     collector = CacheCollector(page_bytes=4096)
-    collector.stats, collector.l3 = {"cache": {"hit_tokens": {"disk": 64, "remote": 128}}}, l3
+    collector.stats = {"cache": {"hit_tokens": {"disk": 64, "remote": 128}, "l3_write_waiting_pages": 5}}
+    collector.l3 = l3
     return {f.name: {tuple(s.labels.values()): s.value for s in f.samples} for f in collector.collect()}
 
 
@@ -20,6 +21,7 @@ def test_a_process_l3_with_a_shared_tier_behind_it():
     assert f["hicache_remote_state"][("down",)] == 1.0 and f["hicache_remote_state"][("ok",)] == 0.0
     assert f["hicache_remote_operations"][("hits",)] == 7 and f["hicache_remote_operations"][("bad_values",)] == 1
     assert f["hicache_cache_hit_tokens"][("remote",)] == 128 and f["hicache_cache_hit_tokens"][("disk",)] == 64
+    assert f["hicache_l3_write_waiting_pages"][()] == 5
 
 
 def test_no_l3_and_no_shared_tier():
