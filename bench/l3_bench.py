@@ -108,8 +108,9 @@ def raw_best(directory: str, total: int, threads: int, repeats: int) -> dict:
 
 def store_throughput(directory: str, page_bytes: int, pages: int, batch: int, threads: int, repeats: int,
                      aligned: bool, backend: str = "auto", device: str = "cpu",
-                     sync_batch_pages: int = 32) -> dict:
-    """Best write_pages and read_pages throughput (bytes/s) of the L3 store."""
+                     sync_batch_pages: int = 32, python_loop: bool = False) -> dict:
+    """Best write_pages and read_pages throughput (bytes/s) of the L3 store (`python_loop`: pages move through
+    the Python piece loop, not the native one of tiers/l3/native.py)."""
     path = tempfile.mkdtemp(prefix="l3-bench-", dir=directory)
     source = _pool(pages, page_bytes, aligned)
     source.copy_(torch.randint(0, 256, source.shape, dtype=torch.uint8))
@@ -119,6 +120,9 @@ def store_throughput(directory: str, page_bytes: int, pages: int, batch: int, th
     try:
         with L3Store(path, pages * slot_bytes_for(page_bytes), page_bytes, NAMESPACE, io_backend=backend,
                      io_threads=threads, sync_batch_pages=sync_batch_pages) as store:
+            if python_loop and hasattr(store._io, "native"):
+                store._io.native = None
+            loop = "native" if getattr(store._io, "native", None) is not None else "python"
             for r in range(repeats):
                 keys = [(r * pages + i).to_bytes(16, "little") for i in range(pages)]
                 # pages [b, b + batch) per call
@@ -138,7 +142,7 @@ def store_throughput(directory: str, page_bytes: int, pages: int, batch: int, th
                     raise RuntimeError("read back bytes differ")
                 store.delete(keys)
             stats = store.stats()
-        return {"write": max(writes), "read": max(reads), "io_backend": stats["io_backend"],
+        return {"write": max(writes), "read": max(reads), "io_backend": stats["io_backend"], "page_loop": loop,
                 "fsyncs": stats["fsyncs"], "index_commits": stats["index_commits"]}
     finally:
         shutil.rmtree(path)
@@ -156,12 +160,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--unaligned", action="store_true", help="pages in an ordinary (64 B-aligned) tensor")
     parser.add_argument("--backends", nargs="+", default=["auto"], choices=["auto", "posix", "kvikio", "buffered"],
                         help="store I/O paths to measure with host pages (the first is the headline 'store')")
+    parser.add_argument("--python-loop", action="store_true",
+                        help="move pages through the Python piece loop instead of the native one (tiers/l3/native.py)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     total = args.pages * args.page_bytes
     raw = raw_best(args.dir, total, args.threads, args.repeats)
     stores = {b: store_throughput(args.dir, args.page_bytes, args.pages, args.batch, args.threads, args.repeats,
-                                  aligned=not args.unaligned, backend=b, sync_batch_pages=args.sync_batch_pages)
+                                  aligned=not args.unaligned, backend=b, sync_batch_pages=args.sync_batch_pages,
+                                  python_loop=args.python_loop)
               for b in args.backends}
     store = stores[args.backends[0]]
     result = {"dir": args.dir, "page_bytes": args.page_bytes, "pages": args.pages, "batch": args.batch,
@@ -185,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {op:5s} raw best {raw[op]['best'] / GB:6.2f} GB/s "
               f"(dd {raw[op]['dd'] / GB:.2f}, python {raw[op][f'python_{args.threads}_threads'] / GB:.2f})")
         for b, r in result["stores"].items():
-            print(f"        store [{b} -> {r['io_backend']}] {r[op] / GB:6.2f} GB/s   ratio {r[op + '_ratio']:.2f}")
+            print(f"        store [{b} -> {r['io_backend']}, {r['page_loop']} loop] {r[op] / GB:6.2f} GB/s"
+                  f"   ratio {r[op + '_ratio']:.2f}")
     if "kvikio_gpu" in result and "read" in result["kvikio_gpu"]:
         kv = result["kvikio_gpu"]
         kv["write_ratio"], kv["read_ratio"] = kv["write"] / raw["write"]["best"], kv["read"] / raw["read"]["best"]

@@ -323,17 +323,38 @@ def test_many_bad_pages_make_one_log_line_and_are_all_counted(tmp_path, open_sto
     assert store.stats()["checksum_failures"] == 10
 
 
+def native_loop_or_skip(native):
+    """The compiled page loop; a skip only where this machine cannot have one (no C compiler or no libxxhash)."""
+    import shutil
+
+    from tiers.l3 import format as l3_format
+
+    if os.environ.get("HICACHE_NATIVE") == "0":
+        pytest.skip("$HICACHE_NATIVE=0 turns the native L3 loop off")
+    if l3_format.stream_library() is None or not (os.environ.get("CC") or shutil.which("cc")):
+        pytest.skip("no C compiler or no libxxhash here: the native L3 loop cannot be built")
+    loop = native.load()
+    assert loop is not None, "cc and libxxhash are here, yet the native L3 loop did not build (see the log)"
+    return loop
+
+
 def _aligned_pages(n: int, page_bytes: int) -> list[torch.Tensor]:
     """Pages in page-aligned memory, as the host pool's: the store moves them in hashed pieces (tiers/l3/io.py)."""
     flat = torch.frombuffer(mmap.mmap(-1, n * page_bytes), dtype=torch.uint8)
     return list(flat.view(n, page_bytes))
 
 
-def test_pieces_hashed_as_they_move_give_the_whole_page_checksum_and_catch_a_flip(tmp_path):
+@pytest.mark.parametrize("loop", ["native", "python"])
+def test_pieces_hashed_as_they_move_give_the_whole_page_checksum_and_catch_a_flip(tmp_path, loop):
     from tiers.l3 import io as l3io
+    from tiers.l3 import native
 
     page_bytes = 2 * l3io.FUSED_PIECE_BYTES + 4096  # three pieces, the last one short
     store = L3Store(tmp_path / "store", 4 * page_bytes, page_bytes, NAMESPACE, io_backend="buffered")
+    if loop == "python":
+        store._io.native = None
+    else:
+        store._io.native = native_loop_or_skip(native)
     src = _aligned_pages(2, page_bytes)
     for i, page in enumerate(src):
         page.copy_(content(key(i), page_bytes))

@@ -119,6 +119,11 @@ class _NativeStream:
 _NativeStream.lib = _stream_api(_LIBXXHASH)
 
 
+def stream_library():
+    """libxxhash with its streaming xxh3_64 prototypes set (`update` the dispatched update), or None."""
+    return _NativeStream.lib
+
+
 def checksum_stream():
     """An incremental xxh3_64: `update(buffer)` piece by piece, then `digest()`; equal to `checksum` of the whole.
     Hashing each piece of a page right after it was read (or right before it is written) reads it from the CPU's
