@@ -6,26 +6,21 @@ they wait for: on the 2-core box reads reached 0.65-0.82 of a raw read, and on t
 0.36 with 16 threads. Here a page is one ctypes call that holds no lock while it runs; the same loop in C read at
 0.90-0.97 of raw on the 2-core box.
 
-The C source below is compiled on first use with the system's C compiler ($CC, else `cc`) into a per-user cache
-($HICACHE_NATIVE_CACHE, else $XDG_CACHE_HOME/hicache, else ~/.cache/hicache), keyed by a hash of the source, and
-loaded with ctypes. It needs nothing but libc: the hash functions are libxxhash's, found by tiers/l3/format.py and
-handed to it as pointers, so the digests are the same xxh3_64 the Python path computes. Where there is no compiler,
-no libxxhash, or $HICACHE_NATIVE=0, `load()` returns None (logged once) and the Python loop runs.
+The C source below is compiled on first use (tiers/native_build.py). It needs nothing but libc: the hash functions
+are libxxhash's, found by tiers/l3/format.py and handed to it as pointers, so the digests are the same xxh3_64 the
+Python path computes. Where there is no compiler, no libxxhash, or $HICACHE_NATIVE=0, `load()` returns None (logged
+once) and the Python loop runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
+from tiers import native_build
 from tiers.l3 import format as l3_format
 
 logger = logging.getLogger(__name__)
@@ -151,58 +146,25 @@ _lock = threading.Lock()
 _loaded: list[NativePageIO | None] = []  # [] until the first load()
 
 
-def cache_dir() -> Path:
-    """Where compiled loops are kept (see the module doc)."""
-    explicit = os.environ.get("HICACHE_NATIVE_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hicache"
-
-
-def _compile(compiler: str, target: Path) -> None:
-    """Compile SOURCE into `target` (atomically: another process may be compiling the same file)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        src = Path(tmp) / "l3io.c"
-        src.write_text(SOURCE)
-        out = Path(tmp) / target.name
-        done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-400:]}")
-        os.replace(out, target)
-
-
 def _build() -> NativePageIO | None:
-    if os.environ.get("HICACHE_NATIVE", "1") == "0":
-        logger.info("L3 page I/O: the Python loop ($HICACHE_NATIVE=0)")
+    what = "L3 page I/O"
+    if not native_build.enabled():
+        logger.info("%s: the Python loop ($HICACHE_NATIVE=0)", what)
         return None
     hash_lib = l3_format.stream_library()
     if hash_lib is None:
-        logger.info("L3 page I/O: the Python loop (no libxxhash with the streaming xxh3 to hand the native loop)")
+        logger.info("%s: the Python loop (no libxxhash with the streaming xxh3 to hand the native loop)", what)
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("L3 page I/O: the Python loop (no C compiler: set $CC or install cc to compile the native one)")
+    lib = native_build.build("l3io", SOURCE, what)
+    if lib is None:
         return None
-    key = hashlib.sha256((SOURCE + "\0" + compiler).encode()).hexdigest()[:16]
-    target = cache_dir() / f"l3io-{key}.so"
-    try:
-        if not target.exists():
-            _compile(compiler, target)
-        lib = ctypes.CDLL(str(target))
-        lib.hicache_native_init.argtypes = (ctypes.c_void_p,) * 5
-        addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
-        rc = lib.hicache_native_init(addr(hash_lib.XXH3_createState), addr(hash_lib.XXH3_64bits_reset),
-                                     addr(hash_lib.update), addr(hash_lib.XXH3_64bits_digest),
-                                     addr(hash_lib.XXH3_freeState))
-        if rc:
-            raise RuntimeError(f"init returned {rc}")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("L3 page I/O: the Python loop (the native one did not build or load: %s)", e)
+    lib.hicache_native_init.argtypes = (ctypes.c_void_p,) * 5
+    addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    if lib.hicache_native_init(addr(hash_lib.XXH3_createState), addr(hash_lib.XXH3_64bits_reset),
+                               addr(hash_lib.update), addr(hash_lib.XXH3_64bits_digest),
+                               addr(hash_lib.XXH3_freeState)):
+        logger.warning("%s: the Python loop (the native one refused libxxhash's functions)", what)
         return None
-    logger.info("L3 page I/O: the native loop (%s)", target)
     return NativePageIO(lib)
 
 
