@@ -106,15 +106,20 @@ class PosixSlotIO:
         """Whether every page of the chunk moves in hashed pieces (its buffer is the whole slot, aligned)."""
         return self.page_bytes == self.slot_bytes and all(_is_aligned(buffers[i], self.slot_bytes) for i in chunk)
 
+    def _native_pages(self, move, chunk: list[int], slots, buffers, results: list[SlotResult]) -> None:
+        """Each page of the chunk in one call of the native loop (`move`: its read or write)."""
+        fd, header = self.slab.data_fd, self.slab.header
+        for i in chunk:
+            try:
+                results[i].digest = move(fd, buffers[i].data_ptr(), self.page_bytes, header.slot_offset(slots[i]),
+                                         FUSED_PIECE_BYTES)
+            except OSError as e:
+                results[i] = SlotResult(error=e)
+
     def _write_fused(self, chunk: list[int], slots, pages, results: list[SlotResult]) -> None:
         fd = self.slab.data_fd
         if self.native is not None:
-            for i in chunk:
-                try:
-                    results[i].digest = self.native.write(fd, pages[i].data_ptr(), self.page_bytes,
-                                                          self.slab.header.slot_offset(slots[i]), FUSED_PIECE_BYTES)
-                except OSError as e:
-                    results[i] = SlotResult(error=e)
+            self._native_pages(self.native.write, chunk, slots, pages, results)
             return
         for i in chunk:
             view, offset, h = _host_view(pages[i]), self.slab.header.slot_offset(slots[i]), checksum_stream()
@@ -131,12 +136,7 @@ class PosixSlotIO:
     def _read_fused(self, chunk: list[int], slots, out, results: list[SlotResult]) -> None:
         fd = self.slab.data_fd
         if self.native is not None:
-            for i in chunk:
-                try:
-                    results[i].digest = self.native.read(fd, out[i].data_ptr(), self.page_bytes,
-                                                         self.slab.header.slot_offset(slots[i]), FUSED_PIECE_BYTES)
-                except OSError as e:
-                    results[i] = SlotResult(error=e)
+            self._native_pages(self.native.read, chunk, slots, out, results)
             return
         for i in chunk:
             view, offset, h = _host_view(out[i]), self.slab.header.slot_offset(slots[i]), checksum_stream()
