@@ -1,7 +1,9 @@
 """Tensor parallelism for the Llama model: one rank's shard of every layer, and the collectives between them.
 
 `shard_model(model, rank, size, group)` cuts a loaded (unfused) `LlamaModel` down, in place, to what rank `rank`
-of `size` computes, the usual Megatron way:
+of `size` computes, the usual Megatron way. `load_model(..., shard=TPShard(rank, size, group))` loads each tensor
+already cut (`parameter_cut`): a safetensors tensor is read as the rank's slice only, a random one is made whole
+and cut at once, so no rank holds more than one whole tensor at a time. The cut:
 
 - attention: the query heads are split evenly; the KV heads too, or, where there are fewer KV heads than ranks,
   each rank keeps the one KV head its query heads read (replicated `size / num_kv_heads` times; logged);
@@ -80,15 +82,70 @@ class _GatherVocab:
         return torch.cat(parts, dim=-1)
 
 
+def parameter_cut(config: Any, name: str, rank: int, size: int) -> tuple[int, int, int] | None:
+    """The part of parameter `name` (a LlamaModel state-dict key) rank `rank` of `size` keeps, as (dim, start, end),
+    or None where it keeps the whole tensor (norms, the embedding). `shard_model` makes the same cut; a loader uses
+    this to read only the rank's slice of each tensor, so that no rank ever holds the whole model."""
+    if size == 1:
+        return None
+    hd = config.head_dim
+    q_per, mlp_per = config.num_heads // size, config.intermediate_size // size
+    kv_first, kv_end = kv_heads_of(config, rank, size)
+    parts = name.split(".")
+    if name == "lm_head.weight":
+        per = config.vocab_size // size
+        return 0, rank * per, (rank + 1) * per
+    if len(parts) < 4 or parts[0] != "layers":
+        return None
+    module, kind = parts[3], parts[-1]
+    if module == "q_proj":
+        return 0, rank * q_per * hd, (rank + 1) * q_per * hd
+    if module in ("k_proj", "v_proj"):
+        return 0, kv_first * hd, kv_end * hd
+    if module == "o_proj" and kind == "weight":
+        return 1, rank * q_per * hd, (rank + 1) * q_per * hd
+    if module in ("gate_proj", "up_proj"):
+        return 0, rank * mlp_per, (rank + 1) * mlp_per
+    if module == "down_proj" and kind == "weight":
+        return 1, rank * mlp_per, (rank + 1) * mlp_per
+    return None
+
+
+def cut_tensor(tensor: Tensor, cut: tuple[int, int, int] | None) -> Tensor:
+    """A copy of the kept part of a whole tensor (`parameter_cut`), or the tensor itself."""
+    if cut is None:
+        return tensor
+    dim, start, end = cut
+    return tensor.narrow(dim, start, end - start).clone()
+
+
+class TPShard:
+    """A tensor-parallel rank's cut, for `load_model(shard=...)`: the loader reads only each tensor's part
+    (`cut`), and calling it on the loaded model sets the rank's head counts and collectives (`shard_model`)."""
+
+    def __init__(self, rank: int, size: int, group: Any = None) -> None:
+        self.rank, self.size, self.group = rank, size, group
+
+    def cut(self, config: Any, name: str) -> tuple[int, int, int] | None:
+        return parameter_cut(config, name, self.rank, self.size)
+
+    def __call__(self, model: Any) -> Any:
+        return shard_model(model, self.rank, self.size, self.group)
+
+
 def _rows(linear: nn.Linear, start: int, end: int) -> None:
-    linear.weight = nn.Parameter(linear.weight.detach()[start:end].clone(), requires_grad=False)
-    if linear.bias is not None:
+    """Keep output rows [start, end) (a weight loaded already cut to them is kept as it is)."""
+    if linear.weight.shape[0] != end - start:
+        linear.weight = nn.Parameter(linear.weight.detach()[start:end].clone(), requires_grad=False)
+    if linear.bias is not None and linear.bias.shape[0] != end - start:
         linear.bias = nn.Parameter(linear.bias.detach()[start:end].clone(), requires_grad=False)
     linear.out_features = end - start
 
 
 def _columns(linear: nn.Linear, start: int, end: int) -> None:
-    linear.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone(), requires_grad=False)
+    """Keep input columns [start, end) (as `_rows`)."""
+    if linear.weight.shape[1] != end - start:
+        linear.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone(), requires_grad=False)
     linear.in_features = end - start
 
 
@@ -124,7 +181,10 @@ def shard_model(model: Any, rank: int, size: int, group: Any = None) -> Any:
             mlp.reduce = reduce
         vocab_per = c.vocab_size // size
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.head_shard = head.detach()[rank * vocab_per:(rank + 1) * vocab_per].clone()
+        if head.shape[0] == vocab_per and vocab_per != c.vocab_size:  # an LM head loaded already cut
+            model.head_shard = head.detach()
+        else:
+            model.head_shard = head.detach()[rank * vocab_per:(rank + 1) * vocab_per].clone()
         if model.lm_head is not None:
             model.lm_head = None  # its slice is head_shard; the tied embedding stays whole for the lookup
     model.gather_logits = _GatherVocab(group, size)

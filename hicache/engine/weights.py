@@ -15,7 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
+from torch import nn
 
 from hicache.engine.gguf_convert import FORMAT_VERSION, convert_gguf
 from hicache.engine.model import LlamaModel
@@ -46,7 +48,8 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device,
     """Load a model and its tokenizer onto `device` in `dtype`.
 
     `shard`: applied to the loaded model before its projections are fused (a tensor-parallel rank's cut,
-    hicache/engine/tp.py).
+    hicache/engine/tp.py). One with a `cut(config, name)` (`tp.TPShard`) has each tensor loaded already cut to
+    the rank's part, so that the rank never holds the whole model.
 
     `name_or_path` is `smollm2-135m-instruct` (the default; first use converts the GGUF into `cache_dir()`),
     `random:<preset>` or a Hugging Face model directory. Raises ValueError for anything else.
@@ -134,6 +137,20 @@ def weights_revision(files: list[Path]) -> str:
     return "sha256-" + hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
+def _assign(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
+    """Put `state`'s tensors into the (meta) model as its parameters, strictly: every parameter once, nothing else.
+    `load_state_dict` would refuse tensors loaded already cut to a tensor-parallel rank's part."""
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit {model.config.name!r}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        module_path, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_path) if module_path else model
+        setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
 def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device,
                 shard: Callable[[LlamaModel], LlamaModel] | None = None) -> tuple[LlamaModel, Tokenizer]:
     """Load config.json + *.safetensors (sharded or not) + tokenizer from a Hugging Face-style directory."""
@@ -152,15 +169,31 @@ def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device,
 
     state: dict[str, torch.Tensor] = {}
     load_device = "cpu" if device.type == "meta" else str(device)
+    cut = getattr(shard, "cut", None)
     for file in files:
-        for key, tensor in load_file(str(file), device=load_device).items():
-            if not key.endswith("rotary_emb.inv_freq"):  # old checkpoints carry it; we compute it
-                state[key.removeprefix("model.")] = tensor.to(dtype)
+        if cut is None:
+            for key, tensor in load_file(str(file), device=load_device).items():
+                if not key.endswith("rotary_emb.inv_freq"):  # old checkpoints carry it; we compute it
+                    state[key.removeprefix("model.")] = tensor.to(dtype)
+            continue
+        with safe_open(str(file), framework="pt", device="cpu") as f:  # each tensor read as the rank's slice only
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                name = key.removeprefix("model.")
+                part = cut(config, name)
+                if part is None:
+                    tensor = f.get_tensor(key)
+                else:
+                    dim, start, end = part
+                    view = f.get_slice(key)
+                    tensor = view[start:end] if dim == 0 else view[:, start:end]
+                state[name] = tensor.to(device=load_device, dtype=dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = LlamaModel(config)
-    model.load_state_dict(state, strict=True, assign=True)
+    _assign(model, state)
     del state  # the model holds the tensors now; fusing below releases the separate projections
     if shard is not None:
         model = shard(model)
@@ -204,6 +237,7 @@ def load_random(preset: str, dtype: torch.dtype, device: torch.device,
         model = LlamaModel(config)
     generator = torch.Generator(device=device)
     generator.manual_seed(RANDOM_SEED)
+    cut = getattr(shard, "cut", None)
     state: dict[str, torch.Tensor] = {}
     for key, meta_param in model.state_dict().items():
         tensor = torch.empty(meta_param.shape, dtype=dtype, device=device)
@@ -212,9 +246,13 @@ def load_random(preset: str, dtype: torch.dtype, device: torch.device,
         elif key.endswith(".bias"):
             tensor.zero_()
         else:
-            tensor.normal_(0.0, 0.02, generator=generator)
+            tensor.normal_(0.0, 0.02, generator=generator)  # whole, so every rank draws what one rank would
+        part = cut(config, key) if cut is not None else None
+        if part is not None:
+            dim, start, end = part
+            tensor = tensor.narrow(dim, start, end - start).clone()  # the whole one is freed at once
         state[key] = tensor
-    model.load_state_dict(state, strict=True, assign=True)
+    _assign(model, state)
     del state
     if shard is not None:
         model = shard(model)

@@ -39,10 +39,10 @@ def reference(tmp_path_factory):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_split_ranks_give_one_ranks_logits_and_tokens(reference, tmp_path, size):
+@pytest.mark.parametrize("size, load", [(2, "cut"), (4, "cut"), (2, "whole-then-cut")])
+def test_split_ranks_give_one_ranks_logits_and_tokens(reference, tmp_path, size, load):
     out = str(tmp_path / f"tp{size}.pt")
-    results = _run("random:tiny", size, out)
+    results = _run("random:tiny", size, out, *(["--whole-then-cut"] if load == "whole-then-cut" else []))
     assert all(r.returncode == 0 for r in results), [r.stderr[-1500:] for r in results]
     got = torch.load(out)
     assert got["ids"] == reference["ids"]
@@ -68,3 +68,53 @@ def test_shapes_that_cannot_be_split_are_refused_by_name():
     check_divisible(tiny, 4)
     assert [kv_heads_of(tiny, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [kv_heads_of(tiny, r, 2) for r in range(2)] == [(0, 1), (1, 2)]
+
+
+def test_a_rank_reads_only_its_part_of_each_tensor_from_a_checkpoint(tmp_path, monkeypatch):
+    from engine_helpers import hf_and_ours
+
+    from hicache.engine import weights
+    from hicache.engine.tp import TPShard, cut_tensor, parameter_cut
+    from hicache.engine.weights import load_model
+
+    _, whole = hf_and_ours(tmp_path, "llama")  # 4 heads, 2 KV heads, MLP 96, vocabulary 256
+    full = {name: p.detach().clone() for name, p in whole.named_parameters()}
+    whole_reads, slice_reads = [], []
+    real_open = weights.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, key):
+            whole_reads.append(key)
+            return self.f.get_tensor(key)
+
+        def get_slice(self, key):
+            slice_reads.append(key)
+            return self.f.get_slice(key)
+
+    monkeypatch.setattr(weights, "safe_open", Recording)
+    monkeypatch.setattr(weights, "load_file", lambda *a, **k: pytest.fail("a rank read a whole checkpoint file"))
+    for rank in (0, 1):
+        whole_reads.clear()
+        slice_reads.clear()
+        config = whole.config
+        ours, _ = load_model(str(tmp_path / "llama"), torch.float32, torch.device("cpu"), shard=TPShard(rank, 2))
+        assert ours.config.num_heads == 2 and ours.config.num_kv_heads == 1 and ours.config.intermediate_size == 48
+        read_cut = {k.removeprefix("model.") for k in slice_reads}
+        assert read_cut and not read_cut & {k.removeprefix("model.") for k in whole_reads}
+        assert {n.split(".")[-2] for n in read_cut} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj", "lm_head"}
+        head = cut_tensor(full["lm_head.weight"], parameter_cut(config, "lm_head.weight", rank, 2))
+        assert torch.equal(ours.head_shard, head)  # the rank's vocabulary rows, read as a slice

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hicache.engine.model import ForwardBatch  # noqa: E402
-from hicache.engine.tp import shard_model  # noqa: E402
+from hicache.engine.tp import TPShard, shard_model  # noqa: E402
 from hicache.engine.weights import load_model  # noqa: E402
 
 PAGE = 4
@@ -53,12 +53,18 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--die-after-steps", type=int)
     p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--whole-then-cut", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.size > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                                 world_size=args.size, timeout=datetime.timedelta(seconds=args.timeout_s))
-    shard = functools.partial(shard_model, rank=args.rank, size=args.size) if args.size > 1 else None
+    if args.size == 1:
+        shard = None
+    elif args.whole_then_cut:  # load every tensor whole, then cut the model (shard_model on its own)
+        shard = functools.partial(shard_model, rank=args.rank, size=args.size)
+    else:  # each tensor loaded already cut
+        shard = TPShard(args.rank, args.size)
     model, _ = load_model(args.model, torch.float32, torch.device("cpu"), shard=shard)
     kv = torch.zeros(model.kv_pool_shape(16, PAGE))
     die = args.die_after_steps if args.rank == args.size - 1 else None
