@@ -66,7 +66,12 @@ def build(name: str, source: str, what: str) -> ctypes.CDLL | None:
     target = cache_dir() / f"{name}-{key}.so"
     try:
         if not target.exists():
-            _compile(cc, source, target)
+            try:
+                _compile(cc, source, target)
+            except OSError:  # the cache folder cannot be written (a read-only home): one under the temporary dir
+                target = Path(tempfile.gettempdir()) / f"hicache-native-{os.getuid()}" / target.name
+                if not target.exists():
+                    _compile(cc, source, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("%s: the Python loop (the native one did not build or load: %s)", what, e)

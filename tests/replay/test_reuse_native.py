@@ -49,3 +49,15 @@ def test_a_build_that_cannot_happen_falls_back_by_name(tmp_path, monkeypatch, ca
     assert native_build.build("probe", "int f(void) { return 1; }", "probe loop") is None
     assert "probe loop: the Python loop ($HICACHE_NATIVE=0)" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_an_unwritable_cache_folder_builds_under_the_temporary_directory(tmp_path, monkeypatch):
+    if native_build.compiler() is None or not native_build.enabled():
+        pytest.skip("no C compiler here (or $HICACHE_NATIVE=0)")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("HICACHE_NATIVE_CACHE", str(blocked / "cache"))  # under a file: cannot be created
+    monkeypatch.setattr(native_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    lib = native_build.build("probe", "int hicache_probe(void) { return 41 + 1; }", "probe loop")
+    assert lib is not None and lib.hicache_probe() == 42
+    assert len(list((tmp_path / "tmp").glob("hicache-native-*/probe-*.so"))) == 1
