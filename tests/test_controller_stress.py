@@ -1,0 +1,156 @@
+"""Many requests at once through the controller, with copies that land late and an L3 queue that refuses at random:
+every page a request reads must hold the bytes computed for it.
+
+A copy moves its bytes only when it lands (as a GPU copy does), so a page the controller freed or handed to someone
+else while a copy still read or filled it shows up as wrong bytes. The interleavings are random but seeded; the
+assertions hold for any of them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from memory_l3 import MemoryL3
+from test_controller import LAYOUT, page_value
+
+from controller import L3Worker, TierController, WritePolicy
+from radix import RadixTree
+from tiers import DevicePool, HostPool, PageCopier
+
+
+class LateCopier(PageCopier):
+    """Copies whose bytes move when they land: at `wait()`, or when the test lands them (`land_some`)."""
+
+    class Handle:
+        def __init__(self, move):
+            self.move, self.landed = move, False
+
+        def done(self):
+            return self.landed
+
+        def wait(self):
+            if not self.landed:
+                self.landed = True
+                self.move()
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.pending: list[LateCopier.Handle] = []
+
+    def _late(self, move) -> Handle:
+        handle = self.Handle(move)
+        self.pending.append(handle)
+        return handle
+
+    def to_host(self, device_pages, host_pages, after=None):
+        device_pages, host_pages = list(device_pages), list(host_pages)
+        return self._late(lambda: PageCopier.to_host(self, device_pages, host_pages))
+
+    def to_device(self, host_pages, device_pages, after=None):
+        host_pages, device_pages = list(host_pages), list(device_pages)
+        return self._late(lambda: PageCopier.to_device(self, host_pages, device_pages))
+
+    def land_some(self, rng: random.Random, share: float) -> None:
+        keep = []
+        for handle in self.pending:
+            if rng.random() < share:
+                handle.wait()
+            elif not handle.landed:
+                keep.append(handle)
+        self.pending = keep
+
+
+class MoodyWorker(L3Worker):
+    """A synchronous worker whose write queue is full at random (the writes then wait in the controller)."""
+
+    def __init__(self, store, rng: random.Random):
+        super().__init__(store, synchronous=True, queue_pages=6)
+        self.rng = rng
+
+    def submit_write(self, token, keys, pages, before=None):
+        if self.rng.random() < 0.3:
+            return False
+        return super().submit_write(token, keys, pages, before)
+
+
+def _family(rng: random.Random) -> list[tuple[int, ...]]:
+    """Prompts that share prefixes: a few roots, each grown by turns (an agent session's shape)."""
+    ps = LAYOUT.page_size
+    prompts = []
+    for root in range(4):
+        tokens = [root * 10_000 + i for i in range(ps * rng.randint(1, 3))]
+        for turn in range(5):
+            tokens += [root * 10_000 + 1_000 * (turn + 1) + i for i in range(ps * rng.randint(1, 2))]
+            prompts.append((*tokens, 7))  # one token past the last full page, left to compute
+    return prompts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_page_read_holds_its_bytes_under_late_copies_and_a_refusing_queue(seed):
+    rng = random.Random(seed)
+    dev = DevicePool(LAYOUT, 14, torch.float32, "cpu")
+    host = HostPool(LAYOUT, 6, torch.float32)
+    l3 = MemoryL3(40, LAYOUT.page_bytes)
+    copier = LateCopier(dev, host)
+    worker = MoodyWorker(l3, rng)
+    policy = WritePolicy("write_through", "write_through", 2, 1.0)
+    ctrl = TierController(RadixTree(LAYOUT.page_size), dev, host, l3, copier, policy, None, worker)
+    prompts = _family(rng)
+    ps = LAYOUT.page_size
+    running: list = []
+    served = 0
+
+    def finish(ticket, tokens):
+        nonlocal served
+        for _ in range(50):  # its loads: disk reads complete at poll, copies land when waited for
+            if ticket.ready():
+                break
+            ctrl.poll()
+            for node in ticket.nodes:
+                ctrl.transfers.wait(node)
+        assert ticket.ready() and not ticket.failed
+        for i, p in enumerate(ticket.device_pages()):
+            assert torch.all(dev.kv[:, :, p] == page_value(tokens, i)), f"seed {seed}: page {i} has wrong bytes"
+        served += ticket.num_pages
+        full = len(tokens) // ps
+        new = ctrl.alloc_device(full - ticket.num_pages)
+        if new is not None:
+            for i, p in enumerate(new):
+                dev.kv[:, :, p] = page_value(tokens, ticket.num_pages + i)
+            ctrl.commit(ticket, tokens[: full * ps], ticket.device_pages() + new)
+        ctrl.release(ticket)
+        ctrl.check_integrity()
+
+    for _ in range(160):
+        action = rng.random()
+        if action < 0.45 and len(running) < 2:
+            tokens = rng.choice(prompts)
+            ticket = ctrl.acquire(tokens, max_pages=(len(tokens) - 1) // ps)
+            running.append((ticket, tokens))
+        elif action < 0.75 and running:
+            finish(*running.pop(rng.randrange(len(running))))
+        else:
+            copier.land_some(rng, 0.5)
+            ctrl.poll()
+        ctrl.check_integrity()
+    for ticket, tokens in running:
+        finish(ticket, tokens)
+    copier.land_some(rng, 1.0)
+    ctrl.close()
+    assert served > 0 and ctrl.stats.hit_tokens["disk"] + ctrl.stats.hit_tokens["host"] > 0
+    # what every tier holds now is what was computed for it
+    tree = ctrl.tree
+    for node in tree.nodes():
+        tokens = tree.path_tokens(node)
+        first = len(tokens) // ps - node.num_pages
+        for j in range(node.num_pages):
+            want = page_value(tuple(tokens), first + j)
+            if node.device_pages is not None:
+                assert torch.all(dev.kv[:, :, node.device_pages[j]] == want)
+            if node.host_pages is not None:
+                assert torch.all(host.buffer[node.host_pages[j]] == want)
+            if node.disk_keys is not None and node.disk_keys[j] in l3.data:
+                got = torch.frombuffer(bytearray(l3.data[node.disk_keys[j]]), dtype=torch.float32)
+                assert torch.all(got == want)
