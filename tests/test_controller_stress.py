@@ -9,6 +9,7 @@ assertions hold for any of them.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -25,15 +26,16 @@ class LateCopier(PageCopier):
 
     class Handle:
         def __init__(self, move):
-            self.move, self.landed = move, False
+            self.move, self.landed, self.lock = move, False, threading.Lock()
 
         def done(self):
             return self.landed
 
-        def wait(self):
-            if not self.landed:
-                self.landed = True
-                self.move()
+        def wait(self):  # also from an L3 writer thread (a write's `before`)
+            with self.lock:
+                if not self.landed:
+                    self.move()
+                    self.landed = True
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -90,11 +92,29 @@ def _family(rng: random.Random) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("seed", range(6))
 def test_every_page_read_holds_its_bytes_under_late_copies_and_a_refusing_queue(seed):
     rng = random.Random(seed)
-    dev = DevicePool(LAYOUT, 14, torch.float32, "cpu")
     host = HostPool(LAYOUT, 6, torch.float32)
     l3 = MemoryL3(40, LAYOUT.page_bytes)
+    _stress(rng, host, l3, MoodyWorker(l3, rng), seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_same_with_the_l3_in_a_process_of_its_own(tmp_path, seed):
+    from controller.l3_process import L3Process
+
+    rng = random.Random(seed)
+    host = HostPool(LAYOUT, 6, torch.float32, shared=True)
+    args = dict(path=str(tmp_path / "l3"), capacity_bytes=40 * 4096, page_bytes=LAYOUT.page_bytes,
+                namespace=b"controller-stress"[:16], io_backend="buffered", io_threads=2, sync_batch_pages=2)
+    process = L3Process(host, args, threads=2, queue_pages=4, batch_pages=2)
+    try:
+        _stress(rng, host, process.store, process.worker, seed)
+    finally:
+        process.store.close()
+
+
+def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int) -> None:
+    dev = DevicePool(LAYOUT, 14, torch.float32, "cpu")
     copier = LateCopier(dev, host)
-    worker = MoodyWorker(l3, rng)
     policy = WritePolicy("write_through", "write_through", 2, 1.0)
     ctrl = TierController(RadixTree(LAYOUT.page_size), dev, host, l3, copier, policy, None, worker)
     prompts = _family(rng)
@@ -104,9 +124,10 @@ def test_every_page_read_holds_its_bytes_under_late_copies_and_a_refusing_queue(
 
     def finish(ticket, tokens):
         nonlocal served
-        for _ in range(50):  # its loads: disk reads complete at poll, copies land when waited for
+        for _ in range(200):  # its loads: disk reads complete at poll, copies land when waited for
             if ticket.ready():
                 break
+            assert worker.wait_idle(10)
             ctrl.poll()
             for node in ticket.nodes:
                 ctrl.transfers.wait(node)
@@ -151,6 +172,6 @@ def test_every_page_read_holds_its_bytes_under_late_copies_and_a_refusing_queue(
                 assert torch.all(dev.kv[:, :, node.device_pages[j]] == want)
             if node.host_pages is not None:
                 assert torch.all(host.buffer[node.host_pages[j]] == want)
-            if node.disk_keys is not None and node.disk_keys[j] in l3.data:
+            if node.disk_keys is not None and isinstance(l3, MemoryL3) and node.disk_keys[j] in l3.data:
                 got = torch.frombuffer(bytearray(l3.data[node.disk_keys[j]]), dtype=torch.float32)
                 assert torch.all(got == want)
