@@ -144,23 +144,38 @@ def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int) -> None:
         ctrl.release(ticket)
         ctrl.check_integrity()
 
-    for _ in range(160):
+    holds: list = []  # prefetches for queued requests: (hold, tokens)
+    for _ in range(200):
         action = rng.random()
-        if action < 0.45 and len(running) < 2:
-            tokens = rng.choice(prompts)
-            ticket = ctrl.acquire(tokens, max_pages=(len(tokens) - 1) // ps)
+        if action < 0.4 and len(running) < 2:
+            if holds and rng.random() < 0.5:  # a queued request is admitted: its prefetch hold goes to its ticket
+                hold, tokens = holds.pop(0)
+                ticket = ctrl.acquire(tokens, max_pages=(len(tokens) - 1) // ps)
+                ctrl.release_prefetch(hold)
+            else:
+                tokens = rng.choice(prompts)
+                ticket = ctrl.acquire(tokens, max_pages=(len(tokens) - 1) // ps)
             running.append((ticket, tokens))
-        elif action < 0.75 and running:
+        elif action < 0.65 and running:
             finish(*running.pop(rng.randrange(len(running))))
+        elif action < 0.75 and len(holds) < 2:
+            tokens = rng.choice(prompts)
+            holds.append((ctrl.prefetch(tokens, max_pages=(len(tokens) - 1) // ps), tokens))
+        elif action < 0.8 and holds:
+            hold, tokens = holds[0]
+            ctrl.prefetch(tokens, max_pages=(len(tokens) - 1) // ps, hold=hold)  # asked again, as each step does
         else:
             copier.land_some(rng, 0.5)
             ctrl.poll()
         ctrl.check_integrity()
+    for hold, _ in holds:
+        ctrl.release_prefetch(hold)
     for ticket, tokens in running:
         finish(ticket, tokens)
     copier.land_some(rng, 1.0)
     ctrl.close()
     assert served > 0 and ctrl.stats.hit_tokens["disk"] + ctrl.stats.hit_tokens["host"] > 0
+    assert ctrl.loads.prefetching == 0
     # what every tier holds now is what was computed for it
     tree = ctrl.tree
     for node in tree.nodes():
