@@ -82,9 +82,11 @@ class Eviction:
         return node
 
     def evict_node(self, tier: str, node: TreeNode) -> int:
-        """Drop node's copy in `tier` (the hook may save it first); returns its pages."""
-        n = node.num_pages
+        """Drop node's copy in `tier` (the hook may save it first); returns the pages freed. A write-back of a node
+        larger than the L3 queue takes splits it into parts: only the last stays `node` and leaves the tier here,
+        the parts above it stay (written) for the caller's next pick."""
         self.hook.evicting(tier, node)
+        n = node.num_pages
         self.stats.evictions[tier] += n
         if tier == DEVICE and self.transfers.disk_load(node) is None:
             self.transfers.clear(node)  # a finished promotion into the pages being freed

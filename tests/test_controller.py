@@ -356,6 +356,24 @@ def test_a_prefix_loading_from_host_keeps_its_host_copy_while_its_disk_part_find
     h.ctrl.check_integrity()
 
 
+def test_a_write_back_in_parts_still_frees_the_host_pages_asked_for():
+    # host -> disk write-back, a 4-page L3 queue: evicting a 6-page node writes it in parts (4 + 2), splitting it;
+    # the eviction must go on to the upper part rather than count the whole node as freed
+    policy = WritePolicy(device_to_host="write_through", host_to_disk="write_back")
+    h = Harness(device=8, host=6, disk=32, policy=policy,
+                worker=lambda store: L3Worker(store, synchronous=True, queue_pages=4))
+    h.run(seq(1, 6))
+    pages = h.ctrl.eviction.allocate(HOST, 6)
+    assert pages is not None and len(pages) == 6
+    h.host.free(pages)
+    h.ctrl.poll()
+    assert h.ctrl.tree.pages_in == [6, 0, 6] and h.ctrl.stats.evictions[HOST] == 6
+    h.ctrl.eviction.evict(DEVICE, 8)  # (into free host pages: it is on disk, and the host has room)
+    h.ctrl.eviction.evict(HOST, 6)
+    assert h.run(seq(1, 6)) == {DISK: 6}  # both parts came back from disk, bytes checked
+    h.check_all_bytes()
+
+
 class HeldLoadCopier(PageCopier):
     """PageCopier whose host -> GPU loads stay 'in flight' until `land()` (the bytes move at once)."""
 
