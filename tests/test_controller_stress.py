@@ -89,12 +89,13 @@ def _family(rng: random.Random) -> list[tuple[int, ...]]:
     return prompts
 
 
+@pytest.mark.parametrize("host_to_disk", ["write_through", "write_back"])
 @pytest.mark.parametrize("seed", range(6))
-def test_every_page_read_holds_its_bytes_under_late_copies_and_a_refusing_queue(seed):
+def test_every_page_read_holds_its_bytes_under_late_copies_and_a_refusing_queue(seed, host_to_disk):
     rng = random.Random(seed)
     host = HostPool(LAYOUT, 6, torch.float32)
     l3 = MemoryL3(40, LAYOUT.page_bytes)
-    _stress(rng, host, l3, MoodyWorker(l3, rng), seed)
+    _stress(rng, host, l3, MoodyWorker(l3, rng), seed, host_to_disk)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -112,10 +113,10 @@ def test_the_same_with_the_l3_in_a_process_of_its_own(tmp_path, seed):
         process.store.close()
 
 
-def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int) -> None:
+def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int, host_to_disk: str = "write_through") -> None:
     dev = DevicePool(LAYOUT, 14, torch.float32, "cpu")
     copier = LateCopier(dev, host)
-    policy = WritePolicy("write_through", "write_through", 2, 1.0)
+    policy = WritePolicy("write_through", host_to_disk, 2, 1.0)
     ctrl = TierController(RadixTree(LAYOUT.page_size), dev, host, l3, copier, policy, None, worker)
     prompts = _family(rng)
     ps = LAYOUT.page_size
