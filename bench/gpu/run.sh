@@ -36,7 +36,8 @@
 #              48 / 12 GiB host, no L3; _l3disk: 12 GiB host + 30 GiB L3 in /tmp; _l3shm: 12 GiB host + 64 GiB L3 in
 #              /dev/shm (fast storage that holds the working set; _overlap: with --load-overlap); _never: L3 on
 #              disk with --load-mode never), each with a step log and its server's /metrics. AGENT_LIMIT [540] s per
-#              arm; the whole list does not fit one device command: pass a few ARMS at a time. EXTRA as above
+#              arm; the whole list does not fit one device command: pass a few ARMS at a time. EXTRA as above;
+#              PROFILE=1 adds an engine-thread cProfile per arm (NAME.pstats; it slows the engine thread)
 set -u
 workload=${1:-}
 case $workload in
@@ -285,7 +286,9 @@ agent() {
     esac
     [ -n "$l3" ] && rm -rf "$l3"
     name=agent_${arm}_$i
-    serve "$name" $((port + i)) "$limit" "==|metrics|sessions" "$flags $EXTRA --step-log $OUT/$name.steps.jsonl" \
+    local prof=
+    [ "${PROFILE:-0}" = 1 ] && prof="--profile-engine $OUT/$name.pstats"
+    serve "$name" $((port + i)) "$limit" "==|metrics|sessions" "$flags $EXTRA $prof --step-log $OUT/$name.steps.jsonl" \
       "$client --json \$OUT/$name.json"
     [ -n "$l3" ] && rm -rf "$l3"
   done
