@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "where what is left of the tax is the interpreter lock's")
     p.add_argument("--python-checksum", action="store_true",
                    help="checksum with the xxhash binding (holds the interpreter lock) instead of libxxhash")
+    p.add_argument("--python-loop", action="store_true",
+                   help="pages move through the Python piece loop (one lock round trip per 1 MiB piece) instead of "
+                        "the native one (tiers/l3/native.py: one call per page, the lock released)")
     p.add_argument("--l3-process", action="store_true",
                    help="the store in a process of its own (controller/l3_process.py, as cache.l3.worker: process) "
                         "instead of threads beside the engine thread")
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.python_loop:
+        os.environ["HICACHE_NATIVE"] = "0"  # read when the store opens, here or in the L3 process
     if args.python_checksum:
         import tiers.l3.format
 
