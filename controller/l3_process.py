@@ -52,6 +52,8 @@ START_TIMEOUT_S = 120.0  # the child imports torch and opens (perhaps creates) t
 CLOSE_TIMEOUT_S = 60.0  # the child finishes queued writes and flushes the index
 RESTART_MAX_S = 60.0  # longest wait between attempts to restart a dead L3 process
 FORWARD_POLL_S = 0.05  # the child's completion forwarder wakes this often when idle, to notice shutdown
+SLOW_CALL_S = 0.25  # a store call answered slower than this is logged (at most once per SLOW_CALL_LOG_S)
+SLOW_CALL_LOG_S = 10.0
 
 
 def _map(fd: int, nbytes: int) -> torch.Tensor:
@@ -211,11 +213,38 @@ def child_main(argv: Sequence[str]) -> int:
 # ---------------------------------------------------------------------------------------------- the parent
 
 
+class CallTimes:
+    """How long callers (the engine thread) waited for the child's answers to store calls, over every child of
+    one L3Process: a slow answer stalls an engine step, so it is counted, and logged when it is very slow."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self.slowest_s = 0.0
+        self._logged_at = -SLOW_CALL_LOG_S
+
+    def add(self, path: str, method: str, seconds: float) -> None:
+        """One answered call (under the link's call lock)."""
+        self.seconds += seconds
+        self.calls += 1
+        self.slowest_s = max(self.slowest_s, seconds)
+        now = time.monotonic()
+        if seconds >= SLOW_CALL_S and now - self._logged_at >= SLOW_CALL_LOG_S:
+            self._logged_at = now
+            logger.warning("%s: the L3 process took %.2f s to answer %s (the caller waited; logged at most every "
+                           "%.0f s)", path, seconds, method, SLOW_CALL_LOG_S)
+
+    def snapshot(self) -> dict:
+        return {"call_seconds": self.seconds, "calls": self.calls, "slowest_call_s": self.slowest_s}
+
+
 class _Link:
     """The parent's ends of both connections, the child, and whether it is gone."""
 
-    def __init__(self, proc: subprocess.Popen, async_conn: Connection, rpc_conn: Connection, path: str) -> None:
+    def __init__(self, proc: subprocess.Popen, async_conn: Connection, rpc_conn: Connection, path: str,
+                 times: CallTimes | None = None) -> None:
         self.proc, self.async_conn, self.rpc_conn, self.path = proc, async_conn, rpc_conn, path
+        self.times = times if times is not None else CallTimes()
         self.rpc_lock = threading.Lock()
         self.send_lock = threading.Lock()
         self.gone: str | None = None
@@ -237,6 +266,7 @@ class _Link:
         if self.gone is not None:
             return default
         with self.rpc_lock:
+            start = time.perf_counter()
             try:
                 self.rpc_conn.send((method, args))
                 if not reply:
@@ -245,6 +275,7 @@ class _Link:
             except (EOFError, OSError) as e:
                 self.lost(f"{method}: {e or type(e).__name__}")
                 return default
+            self.times.add(self.path, method, time.perf_counter() - start)
         if status == "err":
             name, code, message = value
             if name == "L3Error" or code is not None:
@@ -333,7 +364,8 @@ class RemoteStore:
         gone = {"path": self.path, "state": "gone", "io_backend": self._io_backend, "pages": 0,
                 "capacity_pages": self.capacity_pages}
         out = self._link.call("stats", default=gone)
-        return {**out, "process": self._link.proc.pid, "restarts": self._owner.restarts}
+        return {**out, "process": self._link.proc.pid, "restarts": self._owner.restarts,
+                **self._owner.call_times.snapshot()}
 
     def close(self) -> None:
         """Close the store in the child and wait for it to exit (no restart from now on). Idempotent."""
@@ -546,6 +578,7 @@ class L3Process:
         self.restart, self.restart_min_s = restart, restart_min_s
         self.closing = False
         self.restarts = 0
+        self.call_times = CallTimes()  # over every child this one starts
         self._restarting = threading.Lock()
         self._staging_fd = os.memfd_create("hicache-l3-staging", os.MFD_CLOEXEC)  # kept for a restarted child
         try:
@@ -629,7 +662,8 @@ class L3Process:
         finally:
             child_async.close()
             child_rpc.close()
-        link = _Link(proc, Connection(parent_async.detach()), Connection(parent_rpc.detach()), self.path)
+        link = _Link(proc, Connection(parent_async.detach()), Connection(parent_rpc.detach()), self.path,
+                     self.call_times)
         spec = {"pool_fd": host.share_fd, "pool_pages": host.capacity_pages, "page_bytes": host.page_bytes,
                 "staging_fd": staging_fd, "staging_pages": staging_pages, **stores, "threads": threads,
                 "batch_pages": batch_pages, "log_level": logging.getLogger().getEffectiveLevel()}

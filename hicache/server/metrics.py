@@ -139,6 +139,13 @@ class CacheCollector:
             if "restarts" in l3:  # the store runs in a process of its own (controller/l3_process.py)
                 yield CounterMetricFamily("hicache_l3_process_restarts", "L3 processes started again after one died",
                                           value=l3["restarts"])
+                yield CounterMetricFamily("hicache_l3_process_call_seconds", "Seconds callers (the engine thread) "
+                                          "waited for the L3 process to answer store calls",
+                                          value=l3.get("call_seconds", 0))
+                yield CounterMetricFamily("hicache_l3_process_calls", "Store calls the L3 process answered",
+                                          value=l3.get("calls", 0))
+                yield GaugeMetricFamily("hicache_l3_process_slowest_call_seconds", "The slowest answer so far",
+                                        value=l3.get("slowest_call_s", 0))
         remote = (l3 or {}).get("remote")
         yield _state_gauge("hicache_remote_state", "Shared tier state (1 for the current one)", REMOTE_STATES,
                            remote["state"] if remote else "disabled")

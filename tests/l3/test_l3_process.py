@@ -3,6 +3,7 @@ raised in the child, and a child that goes away. The controller over it: tests/t
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -126,6 +127,8 @@ def test_store_calls_delete_and_calibration_style_io(proc_and_host):
     assert proc.store.used_pages() == used
     stats = proc.store.stats()
     assert stats["deletes"] == deletes + 2 and stats["process"] > 0 and stats["io_backend"] == "buffered"
+    # the answered calls are timed (the one-way delete is not: nobody waited for it)
+    assert stats["calls"] >= 7 and 0 < stats["slowest_call_s"] <= stats["call_seconds"]
     proc.store.check_integrity()
 
 
@@ -195,3 +198,17 @@ def test_a_killed_process_is_replaced_and_serves_what_it_had_stored(tmp_path):
     finally:
         proc.worker.close()
         proc.store.close()
+
+
+def test_slow_answers_are_counted_and_logged_without_flooding(caplog):
+    from controller.l3_process import SLOW_CALL_S, CallTimes
+
+    times = CallTimes()
+    caplog.set_level(logging.WARNING, logger="controller.l3_process")
+    times.add("/l3", "contains", 0.001)
+    times.add("/l3", "contains", SLOW_CALL_S + 0.1)
+    times.add("/l3", "stats", SLOW_CALL_S + 0.2)  # right after: counted, not logged again
+    assert times.calls == 3 and times.slowest_s == SLOW_CALL_S + 0.2
+    assert abs(times.seconds - (2 * SLOW_CALL_S + 0.301)) < 1e-9
+    slow = [r.getMessage() for r in caplog.records if "to answer" in r.getMessage()]
+    assert len(slow) == 1 and "contains" in slow[0] and "/l3" in slow[0]

@@ -13,11 +13,13 @@ def _families(l3):
 
 
 def test_a_process_l3_with_a_shared_tier_behind_it():
-    l3 = {"state": "ok", "io_backend": "posix", "writes": 5, "restarts": 2, "process": 123,
-          "remote": {"state": "down", "hits": 7, "bad_values": 1}}
+    l3 = {"state": "ok", "io_backend": "posix", "writes": 5, "restarts": 2, "process": 123, "call_seconds": 1.5,
+          "calls": 40, "slowest_call_s": 0.3, "remote": {"state": "down", "hits": 7, "bad_values": 1}}
     f = _families(l3)
     assert f["hicache_l3_state"][("ok",)] == 1.0 and f["hicache_l3_state"][("gone",)] == 0.0
     assert f["hicache_l3_process_restarts"][()] == 2
+    assert f["hicache_l3_process_call_seconds"][()] == 1.5 and f["hicache_l3_process_calls"][()] == 40
+    assert f["hicache_l3_process_slowest_call_seconds"][()] == 0.3
     assert f["hicache_remote_state"][("down",)] == 1.0 and f["hicache_remote_state"][("ok",)] == 0.0
     assert f["hicache_remote_operations"][("hits",)] == 7 and f["hicache_remote_operations"][("bad_values",)] == 1
     assert f["hicache_cache_hit_tokens"][("remote",)] == 128 and f["hicache_cache_hit_tokens"][("disk",)] == 64
