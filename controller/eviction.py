@@ -7,6 +7,7 @@ leave their last tier are removed from the tree with their subtree, and every pa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -14,6 +15,8 @@ from controller.ports import L3, Pool
 from controller.stats import CacheStats
 from controller.transfers import Transfers
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
+
+_clock = time.perf_counter  # times the engine thread's waits (a test replaces it)
 
 
 class EvictionHook(Protocol):
@@ -122,6 +125,7 @@ class Eviction:
     def reap_host_frees(self, wait: bool = False) -> int:
         """Free the host pages whose landing copy is done (`wait`: wait for every one); returns the pages freed."""
         freed, keep = 0, []
+        start = _clock() if wait else 0.0
         for handle, pages in self.landing:
             if wait or handle.done():
                 if wait:
@@ -131,6 +135,8 @@ class Eviction:
             else:
                 keep.append((handle, pages))
         self.landing = keep
+        if wait:
+            self.stats.host_free_wait_s += _clock() - start
         return freed
 
     def landing_host_pages(self) -> list[int]:

@@ -31,6 +31,7 @@ class CacheStats:
     deferred_pages: int = 0  # new GPU pages whose write-through copy to host waited for memory pressure or idle
     eviction_backups: int = 0  # GPU pages copied to host as they were evicted (compute waits for those copies)
     backup_waits: int = 0  # GPU pages freed while their copy to host was in flight: the compute stream waited for it
+    host_free_wait_s: float = 0.0  # seconds the caller waited for copies landing in freed host pages (no other room)
 
     def moved(self, src: str, dst: str, pages: int, page_bytes: int) -> None:
         promote = TIERS.index(dst) < TIERS.index(src)
@@ -52,4 +53,5 @@ class CacheStats:
             "deferred_pages": self.deferred_pages,
             "eviction_backups": self.eviction_backups,
             "backup_waits": self.backup_waits,
+            "host_free_wait_s": self.host_free_wait_s,
         }

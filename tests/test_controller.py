@@ -483,7 +483,11 @@ def test_host_pages_a_copy_still_lands_in_are_freed_once_it_has_landed_without_w
     h.ctrl.check_integrity()
 
 
-def test_with_no_other_room_the_host_tier_waits_for_the_landing_copy():
+def test_with_no_other_room_the_host_tier_waits_for_the_landing_copy(monkeypatch):
+    import controller.eviction
+
+    clock = iter([10.0, 10.25])  # the wait is timed: a quarter of a second here
+    monkeypatch.setattr(controller.eviction, "_clock", lambda: next(clock))
     h = Harness(device=4, host=2, disk=0, copier=SlowCopier)
     ev = h.ctrl.eviction
     pages = ev.allocate(HOST, 2)
@@ -491,6 +495,7 @@ def test_with_no_other_room_the_host_tier_waits_for_the_landing_copy():
     h.ctrl.transfers.host_fills.update(dict.fromkeys(pages, landing))
     ev.free_host_pages(pages)
     assert ev.allocate(HOST, 2) is not None and h.copier.log == [("host wait", landing)]
+    assert h.ctrl.stats.host_free_wait_s == 0.25 and h.ctrl.stats.snapshot()["host_free_wait_s"] == 0.25
 
 
 class GatedL3(MemoryL3):

@@ -41,6 +41,8 @@ CACHE_COUNTERS = (
      "for them)", "eviction_backups"),
     ("hicache_backup_wait_pages", "GPU pages freed while their copy to host was still in flight (the compute stream "
      "waited for it)", "backup_waits"),
+    ("hicache_host_free_wait_seconds", "Seconds the engine thread waited for copies landing in freed host pages, "
+     "when the host tier had no other room", "host_free_wait_s"),
 )
 ENGINE_COUNTERS = (
     ("hicache_engine_steps", "Engine forward steps", "steps"),
