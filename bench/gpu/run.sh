@@ -99,7 +99,11 @@ for k, r in runs.items():
             f"  in {o['input_tokens_per_s']:7.0f} tok/s  hits "
             + " ".join("%s %.1f%%" % (tier, 100 * v) for tier, v in hits.items())
             + "  forward %.2f s  sched %.2f s" % (metric(k, "hicache_engine_forward_seconds_total"),
-                                                  metric(k, "hicache_engine_schedule_seconds_total")))
+                                                  metric(k, "hicache_engine_schedule_seconds_total"))
+            + "  waits: L3 calls %.2f s (slowest %.2f)  host frees %.2f s" % (
+                metric(k, "hicache_l3_process_call_seconds_total"),
+                metric(k, "hicache_l3_process_slowest_call_seconds"),
+                metric(k, "hicache_host_free_wait_seconds_total")))
     for b, bo in bases.items():
         if b != k:
             line += (f"  / {b}: p50 {t['p50'] / bo['ttft_ms']['p50']:.3f} mean {t['mean'] / bo['ttft_ms']['mean']:.3f}"
