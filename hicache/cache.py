@@ -38,9 +38,12 @@ class CacheStack:
             self.l3.close()
 
 
-def namespace_fields(model_id: str, revision: str, dtype: str, layout: KVLayout, tp_rank: int) -> dict:
-    """Everything that changes the bytes of a page: the cache namespace."""
-    return {
+def namespace_fields(model_id: str, revision: str, dtype: str, layout: KVLayout, tp_rank: int,
+                     tp_size: int = 1) -> dict:
+    """Everything that changes the bytes of a page: the cache namespace. A tensor-parallel rank's pages hold its
+    head shard, so rank and size are in it (the size only above 1: stores written without tensor parallelism keep
+    their namespace, and a TP=2 rank 0 never reads them, nor they its pages)."""
+    fields = {
         "model": model_id,
         "revision": revision,
         "dtype": dtype,
@@ -51,6 +54,9 @@ def namespace_fields(model_id: str, revision: str, dtype: str, layout: KVLayout,
         "head_dim": layout.head_dim,
         "tp_rank": tp_rank,
     }
+    if tp_size > 1:
+        fields["tp_size"] = tp_size
+    return fields
 
 
 def write_policy(cfg: Config) -> WritePolicy:

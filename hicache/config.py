@@ -66,7 +66,7 @@ class L3Config:
     size_tokens: int | None = None
     io_backend: Literal["auto", "kvikio", "posix", "buffered"] = "auto"
     io_threads: int = 4
-    queue_pages: int = 4096  # bounded queue of pending L3 writes; beyond it demotions are dropped
+    queue_pages: int = 4096  # bounded queue of pending L3 writes; beyond it they wait in the controller, unpinned
     sync_batch_pages: int | None = None  # pages per fdatasync + index commit; None: max(32, 64 MiB of pages)
     admission_hits: int = 0  # write a page to L3 only after it was hit this many times (0 = always)
     # where the store's I/O, checksums and index commits run: "process" (a process of its own, reading and writing

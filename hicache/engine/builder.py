@@ -92,7 +92,9 @@ def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrat
     fields = model.fingerprint_fields()
     revision = cfg.model.revision or str(fields.get("revision", ""))
     namespace = {
-        **namespace_fields(str(fields["model"]), revision, dtype_name, layout, cfg.model.tp_rank),
+        # a model cut to a tensor-parallel shard (hicache/engine/tp.py) says which; else the config's rank
+        **namespace_fields(str(fields["model"]), revision, dtype_name, layout,
+                           model.tp_rank if model.tp_size > 1 else cfg.model.tp_rank, model.tp_size),
         **fields,
         "revision": revision,
     }

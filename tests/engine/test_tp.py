@@ -118,3 +118,18 @@ def test_a_rank_reads_only_its_part_of_each_tensor_from_a_checkpoint(tmp_path, m
                                                         "up_proj", "down_proj", "lm_head"}
         head = cut_tensor(full["lm_head.weight"], parameter_cut(config, "lm_head.weight", rank, 2))
         assert torch.equal(ours.head_shard, head)  # the rank's vocabulary rows, read as a slice
+
+
+def test_the_cache_namespace_carries_the_tensor_parallel_size_only_above_one():
+    from hicache.cache import namespace_fields
+    from radix import namespace_fingerprint
+    from tiers import KVLayout
+
+    layout = KVLayout(2, 1, 16, 4, 4)
+    one = namespace_fields("m", "r", "float32", layout, 0)
+    assert "tp_size" not in one  # stores written without tensor parallelism keep their namespace
+    assert namespace_fields("m", "r", "float32", layout, 0, 1) == one
+    two = namespace_fields("m", "r", "float32", layout, 0, 2)
+    assert two["tp_size"] == 2 and two["tp_rank"] == 0
+    assert namespace_fingerprint(two) != namespace_fingerprint(one)  # a TP=2 rank 0 never reads a TP=1 store
+    assert namespace_fingerprint(namespace_fields("m", "r", "float32", layout, 1, 2)) != namespace_fingerprint(two)
