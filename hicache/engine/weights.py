@@ -137,9 +137,13 @@ def weights_revision(files: list[Path]) -> str:
     return "sha256-" + hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
-def _assign(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
+def _assign(model: LlamaModel, state: dict[str, torch.Tensor], cut: bool) -> None:
     """Put `state`'s tensors into the (meta) model as its parameters, strictly: every parameter once, nothing else.
-    `load_state_dict` would refuse tensors loaded already cut to a tensor-parallel rank's part."""
+    Tensors loaded already cut to a tensor-parallel rank's part (`cut`) do not have the whole model's shapes,
+    which `load_state_dict` checks, so they are set one by one."""
+    if not cut:
+        model.load_state_dict(state, strict=True, assign=True)
+        return
     params = dict(model.named_parameters())
     missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
     if missing or unexpected:
@@ -193,7 +197,7 @@ def load_hf_dir(directory: Path, dtype: torch.dtype, device: torch.device,
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = LlamaModel(config)
-    _assign(model, state)
+    _assign(model, state, cut is not None)
     del state  # the model holds the tensors now; fusing below releases the separate projections
     if shard is not None:
         model = shard(model)
@@ -252,7 +256,7 @@ def load_random(preset: str, dtype: torch.dtype, device: torch.device,
             dim, start, end = part
             tensor = tensor.narrow(dim, start, end - start).clone()  # the whole one is freed at once
         state[key] = tensor
-    _assign(model, state)
+    _assign(model, state, cut is not None)
     del state
     if shard is not None:
         model = shard(model)
