@@ -16,7 +16,7 @@ import torch
 from memory_l3 import MemoryL3
 from test_controller import LAYOUT, page_value
 
-from controller import L3Worker, TierController, WritePolicy
+from controller import CostModel, L3Worker, TierController, WritePolicy
 from radix import RadixTree
 from tiers import DevicePool, HostPool, PageCopier
 
@@ -113,26 +113,60 @@ def test_the_same_with_the_l3_in_a_process_of_its_own(tmp_path, seed):
         process.store.close()
 
 
-def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int, host_to_disk: str = "write_through") -> None:
+@pytest.mark.parametrize("seed", range(4))
+def test_the_same_with_gaps_computed_while_the_tail_loads(seed):
+    """Load overlap on: some tickets compute pages [k, s) of their prefix while [s, n) loads."""
+    rng = random.Random(seed)
+    host = HostPool(LAYOUT, 6, torch.float32)
+    l3 = MemoryL3(40, LAYOUT.page_bytes)
+    pb = LAYOUT.page_bytes  # 1 s to compute a page, 0.25 s to load one from host, 3 s from disk
+    cost = CostModel(LAYOUT.page_size, pb, "auto", float(LAYOUT.page_size), pb * 4.0, pb / 3.0, adaptive=False,
+                     overlap=True)
+    _stress(rng, host, l3, MoodyWorker(l3, rng), seed, cost=cost)
+
+
+def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int, host_to_disk: str = "write_through",
+            cost: CostModel | None = None) -> None:
     dev = DevicePool(LAYOUT, 14, torch.float32, "cpu")
     copier = LateCopier(dev, host)
     policy = WritePolicy("write_through", host_to_disk, 2, 1.0)
-    ctrl = TierController(RadixTree(LAYOUT.page_size), dev, host, l3, copier, policy, None, worker)
+    ctrl = TierController(RadixTree(LAYOUT.page_size), dev, host, l3, copier, policy, cost, worker)
+    gaps = 0
     prompts = _family(rng)
     ps = LAYOUT.page_size
     running: list = []
     served = 0
 
-    def finish(ticket, tokens):
-        nonlocal served
-        for _ in range(200):  # its loads: disk reads complete at poll, copies land when waited for
-            if ticket.ready():
+    def settle(ticket, prefix_only=False):
+        """Wait for the ticket's loads (only those before its gap): disk reads complete at poll, copies land when
+        waited for."""
+        ready = ticket.prefix_ready if prefix_only else ticket.ready
+        for _ in range(200):
+            if ready():
                 break
             assert worker.wait_idle(10)
             ctrl.poll()
-            for node in ticket.nodes:
+            for node in ticket.prefix_nodes if prefix_only else ticket.nodes:
                 ctrl.transfers.wait(node)
-        assert ticket.ready() and not ticket.failed
+        assert ready() and not ticket.failed
+
+    def finish(ticket, tokens):
+        nonlocal served, gaps
+        if ticket.gap is not None:  # the engine computes the gap's pages, after [0, k), while the tail loads
+            k, s = ticket.gap
+            settle(ticket, prefix_only=True)  # the tail may still be loading
+            for i, p in enumerate(ticket.prefix_pages()):
+                assert torch.all(dev.kv[:, :, p] == page_value(tokens, i)), f"seed {seed}: page {i} has wrong bytes"
+            pages = ctrl.alloc_device(s - k)
+            if pages is None:  # no room for the gap: give the ticket up once its loads settle, as a preemption
+                settle(ticket)
+                ctrl.release(ticket)
+                return
+            for i, p in enumerate(pages):
+                dev.kv[:, :, p] = page_value(tokens, k + i)
+            ctrl.commit_gap(ticket, tokens, pages)
+            gaps += 1
+        settle(ticket)
         for i, p in enumerate(ticket.device_pages()):
             assert torch.all(dev.kv[:, :, p] == page_value(tokens, i)), f"seed {seed}: page {i} has wrong bytes"
         served += ticket.num_pages
@@ -151,11 +185,11 @@ def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int, host_to_d
         if action < 0.4 and len(running) < 2:
             if holds and rng.random() < 0.5:  # a queued request is admitted: its prefetch hold goes to its ticket
                 hold, tokens = holds.pop(0)
-                ticket = ctrl.acquire(tokens, max_pages=(len(tokens) - 1) // ps)
+                ticket = ctrl.acquire(tokens, max_pages=(len(tokens) - 1) // ps, overlap=cost is not None)
                 ctrl.release_prefetch(hold)
             else:
                 tokens = rng.choice(prompts)
-                ticket = ctrl.acquire(tokens, max_pages=(len(tokens) - 1) // ps)
+                ticket = ctrl.acquire(tokens, max_pages=(len(tokens) - 1) // ps, overlap=cost is not None)
             running.append((ticket, tokens))
         elif action < 0.65 and running:
             finish(*running.pop(rng.randrange(len(running))))
@@ -177,6 +211,7 @@ def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int, host_to_d
     ctrl.close()
     assert served > 0 and ctrl.stats.hit_tokens["disk"] + ctrl.stats.hit_tokens["host"] > 0
     assert ctrl.loads.prefetching == 0
+    assert cost is None or gaps > 0, "no ticket had a gap: the overlap path went untested"
     # what every tier holds now is what was computed for it
     tree = ctrl.tree
     for node in tree.nodes():
