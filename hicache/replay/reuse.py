@@ -10,7 +10,7 @@ served by the fastest tier holding at least d blocks: one pass gives hit rates f
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,20 +62,15 @@ int hicache_stack_depths(const int64_t *ids, int64_t n, const int64_t *starts, i
     return 0;
 }
 """
-_lock = threading.Lock()
-_native: list = []  # [] until first use, then [the library or None]
-
-
+@functools.cache
 def _native_lib():
-    with _lock:
-        if not _native:
-            lib = native_build.build("reuse", _SOURCE, "replay stack-depth pass")
-            if lib is not None:
-                p = ctypes.c_void_p
-                lib.hicache_stack_depths.argtypes = (p, ctypes.c_int64, p, ctypes.c_int64, p, ctypes.c_int64, p, p)
-                lib.hicache_stack_depths.restype = ctypes.c_int
-            _native.append(lib)
-        return _native[0]
+    """The compiled pass, once per process; None where it cannot be had."""
+    lib = native_build.build("reuse", _SOURCE, "replay stack-depth pass")
+    if lib is not None:
+        p = ctypes.c_void_p
+        lib.hicache_stack_depths.argtypes = (p, ctypes.c_int64, p, ctypes.c_int64, p, ctypes.c_int64, p, p)
+        lib.hicache_stack_depths.restype = ctypes.c_int
+    return lib
 
 
 @dataclass

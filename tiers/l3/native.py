@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
-import threading
 
 from tiers import native_build
 from tiers.l3 import format as l3_format
@@ -53,27 +53,31 @@ int hicache_native_init(void *create, void *reset, void *update, void *digest, v
     return h_create && h_reset && h_update && h_digest && h_free ? 0 : -EINVAL;
 }
 
-/* Read len bytes at offset into buf, `piece` bytes at a time, hashing each piece right after it lands (it is
-   still in the core's cache). 0 and *digest set, or -errno; -ENODATA where the file ends first. */
-int hicache_read_hashed(int fd, char *buf, size_t len, int64_t offset, size_t piece, uint64_t *digest) {
+/* Move len bytes between buf and the file at offset, `piece` bytes at a time, hashing each piece while it is in
+   the core's cache: right after it is read, or right before it is written. 0 and *digest set, or -errno: -ENODATA
+   where a read finds the file ending first, -EIO where the device stops taking a write's bytes. */
+static int move_hashed(int fd, char *buf, size_t len, int64_t offset, size_t piece, int write, uint64_t *digest) {
     void *state = h_create();
     if (!state) return -ENOMEM;
     h_reset(state);
     size_t done = 0;
     while (done < len) {
         size_t n = len - done < piece ? len - done : piece;
-        size_t got = 0;
-        while (got < n) {
-            ssize_t r = pread(fd, buf + done + got, n - got, (off_t)(offset + done + got));
+        if (write) h_update(state, buf + done, n);
+        size_t moved = 0;
+        while (moved < n) {
+            char *at = buf + done + moved;
+            off_t where = (off_t)(offset + done + moved);
+            ssize_t r = write ? pwrite(fd, at, n - moved, where) : pread(fd, at, n - moved, where);
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0) {
-                int err = r < 0 ? errno : ENODATA;
+                int err = r < 0 ? errno : (write ? EIO : ENODATA);
                 h_free(state);
                 return -err;
             }
-            got += (size_t)r;
+            moved += (size_t)r;
         }
-        h_update(state, buf + done, n);
+        if (!write) h_update(state, buf + done, n);
         done += n;
     }
     *digest = h_digest(state);
@@ -81,32 +85,12 @@ int hicache_read_hashed(int fd, char *buf, size_t len, int64_t offset, size_t pi
     return 0;
 }
 
-/* Hash each piece, then write it at its offset. 0 and *digest set, or -errno (-EIO where the device stops taking
-   bytes). */
-int hicache_write_hashed(int fd, const char *buf, size_t len, int64_t offset, size_t piece, uint64_t *digest) {
-    void *state = h_create();
-    if (!state) return -ENOMEM;
-    h_reset(state);
-    size_t done = 0;
-    while (done < len) {
-        size_t n = len - done < piece ? len - done : piece;
-        h_update(state, buf + done, n);
-        size_t put = 0;
-        while (put < n) {
-            ssize_t r = pwrite(fd, buf + done + put, n - put, (off_t)(offset + done + put));
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) {
-                int err = r < 0 ? errno : EIO;
-                h_free(state);
-                return -err;
-            }
-            put += (size_t)r;
-        }
-        done += n;
-    }
-    *digest = h_digest(state);
-    h_free(state);
-    return 0;
+int hicache_read_hashed(int fd, char *buf, size_t len, int64_t offset, size_t piece, uint64_t *digest) {
+    return move_hashed(fd, buf, len, offset, piece, 0, digest);
+}
+
+int hicache_write_hashed(int fd, char *buf, size_t len, int64_t offset, size_t piece, uint64_t *digest) {
+    return move_hashed(fd, buf, len, offset, piece, 1, digest);
 }
 """
 
@@ -142,11 +126,10 @@ class NativePageIO:
         return digest.value
 
 
-_lock = threading.Lock()
-_loaded: list[NativePageIO | None] = []  # [] until the first load()
-
-
-def _build() -> NativePageIO | None:
+@functools.cache
+def load() -> NativePageIO | None:
+    """The native page loop, compiled and loaded once per process; None where it cannot be had (see the module
+    doc)."""
     what = "L3 page I/O"
     if not native_build.enabled():
         logger.info("%s: the Python loop ($HICACHE_NATIVE=0)", what)
@@ -166,12 +149,3 @@ def _build() -> NativePageIO | None:
         logger.warning("%s: the Python loop (the native one refused libxxhash's functions)", what)
         return None
     return NativePageIO(lib)
-
-
-def load() -> NativePageIO | None:
-    """The native page loop, compiled and loaded once per process; None where it cannot be had (see the module
-    doc)."""
-    with _lock:
-        if not _loaded:
-            _loaded.append(_build())
-        return _loaded[0]
