@@ -157,38 +157,34 @@ def shard_model(model: Any, rank: int, size: int, group: Any = None) -> Any:
         return model
     if any(layer.self_attn.qkv_proj is not None for layer in model.layers):
         raise ValueError("shard the model before fuse_projections()")
-    hd = c.head_dim
     q_per = c.num_heads // size
     kv_first, kv_end = kv_heads_of(c, rank, size)
     if c.num_kv_heads < size:
         logger.info("tensor parallel %d > %d KV heads: each KV head is kept by %d ranks", size, c.num_kv_heads,
                     size // c.num_kv_heads)
-    mlp_per = c.intermediate_size // size
     reduce = _AllReduce(group)
     with torch.no_grad():
-        for layer in model.layers:
-            attn = layer.self_attn
-            _rows(attn.q_proj, rank * q_per * hd, (rank + 1) * q_per * hd)
-            _rows(attn.k_proj, kv_first * hd, kv_end * hd)
-            _rows(attn.v_proj, kv_first * hd, kv_end * hd)
-            _columns(attn.o_proj, rank * q_per * hd, (rank + 1) * q_per * hd)
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, linear in (("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj),
+                                 ("self_attn.v_proj", attn.v_proj), ("self_attn.o_proj", attn.o_proj),
+                                 ("mlp.gate_proj", mlp.gate_proj), ("mlp.up_proj", mlp.up_proj),
+                                 ("mlp.down_proj", mlp.down_proj)):
+                dim, start, end = parameter_cut(c, f"layers.{i}.{name}.weight", rank, size)  # the loaders' cut
+                (_rows if dim == 0 else _columns)(linear, start, end)
             attn.num_heads, attn.num_kv_heads = q_per, kv_end - kv_first
             attn.reduce = reduce
-            mlp = layer.mlp
-            _rows(mlp.gate_proj, rank * mlp_per, (rank + 1) * mlp_per)
-            _rows(mlp.up_proj, rank * mlp_per, (rank + 1) * mlp_per)
-            _columns(mlp.down_proj, rank * mlp_per, (rank + 1) * mlp_per)
             mlp.reduce = reduce
-        vocab_per = c.vocab_size // size
+        _, start, end = parameter_cut(c, "lm_head.weight", rank, size)
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        if head.shape[0] == vocab_per and vocab_per != c.vocab_size:  # an LM head loaded already cut
+        if head.shape[0] == end - start and end - start != c.vocab_size:  # an LM head loaded already cut
             model.head_shard = head.detach()
         else:
-            model.head_shard = head.detach()[rank * vocab_per:(rank + 1) * vocab_per].clone()
+            model.head_shard = head.detach()[start:end].clone()
         if model.lm_head is not None:
             model.lm_head = None  # its slice is head_shard; the tied embedding stays whole for the lookup
     model.gather_logits = _GatherVocab(group, size)
     model.config = dataclasses.replace(c, num_heads=q_per, num_kv_heads=kv_end - kv_first,
-                                       intermediate_size=mlp_per)
+                                       intermediate_size=c.intermediate_size // size)
     model.tp_rank, model.tp_size = rank, size
     return model
