@@ -22,6 +22,7 @@ from torch import nn
 from hicache.engine.gguf_convert import FORMAT_VERSION, convert_gguf
 from hicache.engine.model import LlamaModel
 from hicache.engine.tokenizer import Tokenizer
+from hicache.engine.tp import cut_tensor
 from hicache.modelinfo import RANDOM_PRESETS, LlamaConfig
 
 logger = logging.getLogger(__name__)
@@ -251,10 +252,8 @@ def load_random(preset: str, dtype: torch.dtype, device: torch.device,
             tensor.zero_()
         else:
             tensor.normal_(0.0, 0.02, generator=generator)  # whole, so every rank draws what one rank would
-        part = cut(config, key) if cut is not None else None
-        if part is not None:
-            dim, start, end = part
-            tensor = tensor.narrow(dim, start, end - start).clone()  # the whole one is freed at once
+        if cut is not None:
+            tensor = cut_tensor(tensor, cut(config, key))  # the whole one is freed at once
         state[key] = tensor
     _assign(model, state, cut is not None)
     del state
