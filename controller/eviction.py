@@ -14,8 +14,9 @@ from typing import Any, Protocol
 from controller.ports import L3, Pool
 from controller.stats import CacheStats
 from controller.transfers import Transfers
-from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
+from radix import DEVICE, DISK, HOST, TIERS, RadixTree, TreeNode
 
+_HOST_INDEX = TIERS.index(HOST)
 _clock = time.perf_counter  # times the engine thread's waits (a test replaces it)
 
 
@@ -138,6 +139,36 @@ class Eviction:
         if wait:
             self.stats.host_free_wait_s += _clock() - start
         return freed
+
+    def host_census(self) -> dict[str, int]:
+        """Host pages by why they can or cannot leave now, for the report of a full host tier: free, landing (freed,
+        a copy still lands), loading (an L3 read fills them), then each host node's pages under the first that
+        applies: writing (an L3 write reads them), prefetched (held for a queued request), pinned (other pins),
+        copying (a copy to the GPU still reads them), parent (a child is in host memory: it leaves first),
+        unwritten (in no lower tier: leaving drops them) and evictable. O(nodes): for reports, not per step."""
+        census = dict.fromkeys(("free", "landing", "loading", "writing", "prefetched", "pinned", "copying", "parent",
+                                "unwritten", "evictable"), 0)
+        census["free"] = self.host.allocator.free_pages
+        census["landing"] = sum(len(pages) for _, pages in self.landing)
+        t = self.transfers
+        census["loading"] = sum(len(t.disk_load(node).host_pages) for node in t.loading.values())
+        for node in self.tree.nodes():
+            if not node.on_host:
+                continue
+            if node.id in t.writing and node.id not in t.bounced:
+                why = "writing"
+            elif node.pin_ref > 0:
+                why = "prefetched" if t.prefetched(node) else "pinned"
+            elif node.lock_ref > 0 and not t.ready(node):
+                why = "copying"
+            elif node.tier_children[_HOST_INDEX]:
+                why = "parent"
+            elif not node.on_disk:
+                why = "unwritten"
+            else:
+                why = "evictable"
+            census[why] += node.num_pages
+        return census
 
     def landing_host_pages(self) -> list[int]:
         """Host pages freed by the tree whose copy has not landed yet (owned by nobody, not yet free)."""

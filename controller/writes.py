@@ -21,6 +21,8 @@ rule, `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -32,6 +34,11 @@ from controller.stats import CacheStats
 from controller.transfers import Transfers
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 from tiers.copy import COMPLETED, TransferHandle
+
+logger = logging.getLogger(__name__)
+
+# a full host tier refusing backups is reported (with the host census) at most this often
+HOST_FULL_REPORT_S = 10.0
 
 # the store's reasons for refusing a page (L3Store.write_pages_detailed) -> the drop they are counted as
 WRITE_REFUSALS = {"not_admitted": "not_admitted", "busy": "l3_busy", "degraded": "l3_degraded"}
@@ -149,6 +156,7 @@ class Writes:
         # included) still waiting: see the module doc
         self.waiting_disk: deque[TreeNode] = deque()
         self._waiting: dict[int, TreeNode] = {}
+        self._host_full_reported = float("-inf")
         tree.split_listeners.append(self._split)
         eviction.hook = self
 
@@ -258,6 +266,7 @@ class Writes:
         host_pages = self.eviction.allocate(HOST, n, protect=node)
         if host_pages is None:
             self.stats.drops["host_full"] += n
+            self._report_host_full(n)
             return False
         handle = self.copier.to_host(node.device_pages, host_pages)
         if handle is not COMPLETED:
@@ -268,6 +277,18 @@ class Writes:
         if self.to_disk.on_commit(node):
             self.write_to_disk(node, handle)
         return True
+
+    def _report_host_full(self, n: int) -> None:
+        """Say why the host tier had no room for a backup (rate-limited): what holds its pages."""
+        now = time.monotonic()
+        if now - self._host_full_reported < HOST_FULL_REPORT_S:
+            return
+        self._host_full_reported = now
+        census = self.eviction.host_census()
+        logger.warning("host tier full: a GPU -> host copy of %d pages found no room (host_full drops so far: %d "
+                       "pages); host pages now: %s; L3 writes waiting for the queue: %d pages", n,
+                       self.stats.drops["host_full"], ", ".join(f"{k} {v}" for k, v in census.items() if v),
+                       self.waiting_disk_pages)
 
     def write_to_disk(self, node: TreeNode, handle: TransferHandle | None = None, bounce: bool = False) -> bool:
         """Queue L3 writes of a node's host pages, in parts of at most `max_write_pages`; True if all of it is

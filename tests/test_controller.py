@@ -535,6 +535,27 @@ def test_l3_write_in_flight_holds_host_pages_not_gpu_pages():
         h.ctrl.close()
 
 
+def test_a_full_host_tier_reports_what_holds_its_pages(caplog):
+    l3 = GatedL3(32, LAYOUT.page_bytes)
+    h = Harness(device=8, host=4, l3=l3, worker=lambda store: L3Worker(store, threads=1))
+    try:
+        h.run(seq(1, 3))  # 3 host pages an L3 write in flight reads, 1 free
+        census = h.ctrl.eviction.host_census()
+        assert {k: v for k, v in census.items() if v} == {"free": 1, "writing": 3}
+        with caplog.at_level("WARNING", logger="controller.writes"):
+            h.run(seq(2, 2))  # its 2 new pages find no host room
+        assert h.ctrl.stats.drops["host_full"] == 2
+        (report,) = [r.getMessage() for r in caplog.records if "host tier full" in r.getMessage()]
+        assert "copy of 2 pages" in report and "free 1, writing 3" in report
+        with caplog.at_level("WARNING", logger="controller.writes"):
+            h.run(seq(3, 2))  # refused again: counted, not reported again so soon
+        assert h.ctrl.stats.drops["host_full"] == 4
+        assert sum("host tier full" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        l3.gate.set()
+        h.ctrl.close()
+
+
 def test_write_through_selective_waits_for_hits():
     h = Harness(device=8, host=8, disk=16, policy=WritePolicy("write_through_selective", "write_through", 2))
     h.run(seq(1, 2))

