@@ -8,15 +8,14 @@ leave their last tier are removed from the tree with their subtree, and every pa
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from controller.ports import L3, Pool
 from controller.stats import CacheStats
 from controller.transfers import Transfers
-from radix import DEVICE, DISK, HOST, TIERS, RadixTree, TreeNode
+from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 
-_HOST_INDEX = TIERS.index(HOST)
 _clock = time.perf_counter  # times the engine thread's waits (a test replaces it)
 
 
@@ -45,6 +44,8 @@ class Eviction:
         self.disk_capacity = disk_capacity
         self.disk_inflight = 0  # pages queued for L3 writes, counted against the disk capacity
         self.hook: EvictionHook = _NoHook()
+        # whether a host node's L3 write is pending (waiting for the queue): it leaves host memory last (Writes)
+        self.write_pending: Callable[[TreeNode], bool] = lambda node: False
         self.landing: list[tuple[Any, list[int]]] = []  # (copy, host pages) freed while that copy still lands
 
     def allocate(self, tier: str, n: int, protect: TreeNode | None = None) -> list[int] | None:
@@ -69,11 +70,26 @@ class Eviction:
         else:
             skip = (lambda node: node is protect) if protect is not None else None
         while freed < need:
-            node = self.tree.pop_evictable(tier, skip)
+            node, interior = self._pick_host(skip) if tier == HOST else (self.tree.pop_evictable(tier, skip), False)
             if node is None:
                 break
-            freed += self.evict_node(tier, self._tail(node, need - freed))
+            freed += self.evict_node(tier, self._tail(node, need - freed), interior)
         return freed
+
+    def _pick_host(self, skip: Any) -> tuple[TreeNode | None, bool]:
+        """The next host copy to evict, and whether it is an interior one: the lowest-priority leaf whose L3 write
+        is not pending; else a host copy above held ones that L3 has (radix.tree); else any leaf, even one whose
+        write waits for the queue (it is dropped). Under write pressure the host tier is full of new pages
+        waiting for the disk and of the prefixes above them: dropping the new pages while copies of bytes that
+        L3 holds stayed lost them for good, and the engine then waited for their GPU -> host copies to land."""
+        pending = self.write_pending
+        node = self.tree.pop_evictable(HOST, lambda n: skip(n) or pending(n))
+        if node is not None:
+            return node, False
+        node = self.tree.pop_evictable_interior(skip)
+        if node is not None:
+            return node, True
+        return self.tree.pop_evictable(HOST, skip), False
 
     def _tail(self, node: TreeNode, pages: int) -> TreeNode:
         """The last `pages` pages of node as their own node (split off), or node if it is no larger.
@@ -85,16 +101,17 @@ class Eviction:
             self.tree.split(node, node.num_pages - pages)  # `node` keeps the tail
         return node
 
-    def evict_node(self, tier: str, node: TreeNode) -> int:
+    def evict_node(self, tier: str, node: TreeNode, interior: bool = False) -> int:
         """Drop node's copy in `tier` (the hook may save it first); returns the pages freed. A write-back of a node
         larger than the L3 queue takes splits it into parts: only the last stays `node` and leaves the tier here,
-        the parts above it stay (written) for the caller's next pick."""
+        the parts above it stay (written) for the caller's next pick. `interior`: a host copy with children
+        staying in host memory (RadixTree.pop_evictable_interior)."""
         self.hook.evicting(tier, node)
         n = node.num_pages
         self.stats.evictions[tier] += n
         if tier == DEVICE and self.transfers.disk_load(node) is None:
             self.transfers.clear(node)  # a finished promotion into the pages being freed
-        pages, orphans = self.tree.clear_location(node, tier)
+        pages, orphans = self.tree.clear_location(node, tier, interior)
         if tier == DISK:
             self.l3.delete(pages, wait=False)
         elif tier == DEVICE:
@@ -143,10 +160,10 @@ class Eviction:
     def host_census(self) -> dict[str, int]:
         """Host pages by why they can or cannot leave now, for the report of a full host tier: free, landing (freed,
         a copy still lands), loading (an L3 read fills them), then each host node's pages under the first that
-        applies: writing (an L3 write reads them), prefetched (held for a queued request), pinned (other pins),
-        copying (a copy to the GPU still reads them), parent (a child is in host memory: it leaves first),
-        unwritten (in no lower tier: leaving drops them) and evictable. O(nodes): for reports, not per step."""
-        census = dict.fromkeys(("free", "landing", "loading", "writing", "prefetched", "pinned", "copying", "parent",
+        applies: writing (an L3 write reads them), prefetched (held for a queued request), pinned (other pins of
+        their own), copying (a copy to the GPU still reads them), unwritten (not in L3: leaving drops them) and
+        evictable (in L3 too). O(nodes): for reports, not per step."""
+        census = dict.fromkeys(("free", "landing", "loading", "writing", "prefetched", "pinned", "copying",
                                 "unwritten", "evictable"), 0)
         census["free"] = self.host.allocator.free_pages
         census["landing"] = sum(len(pages) for _, pages in self.landing)
@@ -157,12 +174,10 @@ class Eviction:
                 continue
             if node.id in t.writing and node.id not in t.bounced:
                 why = "writing"
-            elif node.pin_ref > 0:
+            elif self.tree.own_pins(node) > 0:
                 why = "prefetched" if t.prefetched(node) else "pinned"
             elif node.lock_ref > 0 and not t.ready(node):
                 why = "copying"
-            elif node.tier_children[_HOST_INDEX]:
-                why = "parent"
             elif not node.on_disk:
                 why = "unwritten"
             else:

@@ -159,6 +159,7 @@ class Writes:
         self._host_full_reported = float("-inf")
         tree.split_listeners.append(self._split)
         eviction.hook = self
+        eviction.write_pending = lambda node: node.id in self._waiting
 
     # ------------------------------------------------------------------ events
 

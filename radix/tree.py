@@ -17,7 +17,11 @@ Invariants (checked by `check_integrity`):
   room for new pages). Whoever evicts keeps a host copy that a transfer still reads (`pop_evictable`'s skip);
 - a pinned node (pin_ref > 0, also counted along the path) keeps its host copy and is never removed,
   but may leave the GPU or L3 while another tier holds it: pins guard host pages that an L3 write is
-  reading, without holding GPU pages hostage to the disk's speed.
+  reading, without holding GPU pages hostage to the disk's speed;
+- one exception to leaves first: the host copy of a node that L3 also holds may go while children stay in
+  host memory (`pop_evictable_interior`), unless the node's own pages are pinned (not just a descendant's).
+  A prefix being written, or prefetched for a queued request, would otherwise hold every ancestor's host
+  copy, and a few of them filled the host tier so that new pages found no room and were never cached.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from radix.policy import DEFAULT_HALF_LIFE, eviction_priority, tier_policies
 DEVICE, HOST, DISK = "device", "host", "disk"
 TIERS = (DEVICE, HOST, DISK)
 _TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
-_DEVICE, _HOST = _TIER_INDEX[DEVICE], _TIER_INDEX[HOST]
+_DEVICE, _HOST, _DISK = _TIER_INDEX[DEVICE], _TIER_INDEX[HOST], _TIER_INDEX[DISK]
 
 
 class TreeNode:
@@ -374,20 +378,24 @@ class RadixTree:
         if ti == _DEVICE and node.lock_ref > 0 and node in self._leaves[_HOST]:
             self._push(_HOST, node)  # locked, its host copy may go now (it was passed over as held before)
 
-    def clear_location(self, node: TreeNode, tier: str) -> tuple[list[Any], list[TreeNode]]:
+    def clear_location(self, node: TreeNode, tier: str, interior: bool = False) -> tuple[list[Any], list[TreeNode]]:
         """Drop `node`'s copy in `tier`; returns (its page ids there, orphaned descendants).
 
-        The node must have no child resident in `tier` (leaves first). When the node is then in no
-        tier it is removed with its subtree; the removed descendants are returned with their `loc`
-        intact so the caller can free their pages in every tier.
+        The node must have no child resident in `tier` (leaves first), unless `interior`: a host copy
+        `pop_evictable_interior` may take. When the node is then in no tier it is removed with its
+        subtree; the removed descendants are returned with their `loc` intact so the caller can free
+        their pages in every tier.
         """
         ti = _TIER_INDEX[tier]
         pages = node.loc[ti]
         if pages is None:
             raise ValueError(f"{node} is not resident in {tier}")
-        if node.tier_children[ti]:
+        if interior:
+            if ti != _HOST or not self._interior_may_leave(node):
+                raise ValueError(f"{node}'s {tier} copy may not leave before its children's")
+        elif node.tier_children[ti]:
             raise ValueError(f"{node} has children in {tier}; evict them first")
-        if self._held(node, ti):
+        elif self._held(node, ti):
             raise ValueError(f"{node} is locked" if node.lock_ref else f"{node} is pinned in host memory")
         self._unset_loc(node, ti)
         orphans: list[TreeNode] = []
@@ -477,6 +485,34 @@ class RadixTree:
         for node in passed:
             self._push(ti, node)
         return found
+
+    def pop_evictable_interior(self, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
+        """The lowest-priority host copy that may go although children stay in host memory (see the module doc):
+        a node in host memory and in L3 with children in host memory, not locked there and with no pin of its
+        own. The node is not modified (the caller then calls clear_location with interior=True). O(host nodes):
+        the fallback of an eviction that found no leaf."""
+        best, best_prio = None, None
+        seen: set[int] = set()
+        priority = self.priorities[_HOST]
+        for leaf in self._leaves[_HOST]:
+            node = leaf.parent
+            while node is not self.root and node.loc[_HOST] is not None and node.id not in seen:
+                seen.add(node.id)
+                if self._interior_may_leave(node) and (skip is None or not skip(node)):
+                    prio = priority(node)
+                    if best is None or prio < best_prio:
+                        best, best_prio = node, prio
+                node = node.parent
+        return best
+
+    @staticmethod
+    def own_pins(node: TreeNode) -> int:
+        """Pins of the node's own pages (pin_ref counts its descendants' too)."""
+        return node.pin_ref - sum(c.pin_ref for c in node.children.values())
+
+    def _interior_may_leave(self, node: TreeNode) -> bool:
+        return (node.loc[_DISK] is not None and node.tier_children[_HOST] > 0
+                and not (node.lock_ref > 0 and node.loc[_DEVICE] is None) and self.own_pins(node) == 0)
 
     def evictable_leaves(self, tier: str) -> list[TreeNode]:
         """All unlocked leaves of `tier`, lowest priority first."""

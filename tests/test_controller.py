@@ -556,6 +556,36 @@ def test_a_full_host_tier_reports_what_holds_its_pages(caplog):
         h.ctrl.close()
 
 
+def test_an_ancestor_of_a_page_being_written_gives_its_host_copy_to_new_pages():
+    l3 = GatedL3(32, LAYOUT.page_bytes)
+    h = Harness(device=5, host=6, l3=l3, worker=lambda store: L3Worker(store, threads=1))
+    try:
+        l3.gate.set()
+        h.run(seq(1, 4))  # a 4-page prefix in host memory and on disk
+        assert h.ctrl.worker.wait_idle(10)
+        h.ctrl.poll()
+        l3.gate.clear()
+        h.run(seq(1, 5))  # one more page below it, its L3 write in flight: it holds its own host page
+        tree = h.ctrl.tree
+        child = tree.match_prefix(seq(1, 5), touch=False).last_node
+        assert child.pin_ref == 1 and child.parent.on_disk and child.parent.tier_children == [1, 1, 0]
+        # 3 new pages, 1 host page free: the only room is the prefix's host copy above the pinned page
+        # (its bytes are on disk), taken from its last pages
+        h.run(seq(2, 3))
+        assert h.ctrl.stats.drops["host_full"] == 0
+        assert child.on_host and tree.own_pins(child.parent) == 0
+        h.check_all_bytes()
+        l3.gate.set()
+        assert h.ctrl.worker.wait_idle(10)
+        h.ctrl.poll()
+        hits = h.run(seq(1, 5))  # the prefix comes back from host and disk, the page below it from host
+        assert sum(hits.values()) == 5 and hits.get(DISK, 0) >= 2 and hits.get(HOST, 0) >= 1
+        h.check_all_bytes()
+    finally:
+        l3.gate.set()
+        h.ctrl.close()
+
+
 def test_write_through_selective_waits_for_hits():
     h = Harness(device=8, host=8, disk=16, policy=WritePolicy("write_through_selective", "write_through", 2))
     h.run(seq(1, 2))
@@ -747,6 +777,24 @@ def test_a_write_the_full_queue_refuses_waits_and_is_dropped_only_if_it_leaves_h
     assert ctrl.stats.drops == {"l3_queue_full": 2} and ctrl.writes.waiting_disk_pages == 0
     assert ctrl.tree.pages_in == [2, 0, 0]
     ctrl.check_integrity()
+
+
+def test_host_eviction_takes_pages_on_disk_before_pages_still_waiting_for_their_write():
+    l3 = MemoryL3(16, LAYOUT.page_bytes)
+    h = Harness(device=8, host=4, l3=l3, worker=lambda store: RefusingWorker(store))
+    h.ctrl.worker.refuse = False
+    h.run(seq(1, 2))  # written: on disk and in host memory
+    h.ctrl.worker.refuse = True
+    h.run(seq(2, 2))  # the queue refuses their write: they wait in host memory
+    assert h.run(seq(1, 2)) == {DEVICE: 2}  # used again: the waiting pages are now the least recently used
+    waiting = h.ctrl.tree.match_prefix(seq(2, 2), touch=False).last_node
+    assert h.ctrl.writes.waiting_disk_pages == 2 and not waiting.on_disk
+    assert h.ctrl.eviction.evict(HOST, 2) == 2  # yet the pages on disk go first
+    assert waiting.on_host and not h.ctrl.stats.drops
+    assert h.ctrl.eviction.evict(HOST, 2) == 2  # nothing else left: the waiting pages go, counted
+    assert h.ctrl.stats.drops == {"l3_queue_full": 2}
+    h.ctrl.check_integrity()
+    h.ctrl.close()
 
 
 def test_waiting_writes_go_to_disk_in_order_once_the_queue_drains():

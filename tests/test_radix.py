@@ -116,6 +116,37 @@ def test_pin_keeps_host_copy_but_frees_gpu_copy():
     tree.check_integrity()
 
 
+def test_a_host_copy_above_a_pinned_page_may_go_when_l3_holds_it():
+    tree = RadixTree(1)
+    tree.insert([1, 2], [0, 1])
+    tree.insert([1, 2, 3], [0, 1, 2])
+    leaf = tree.match_prefix([1, 2, 3], touch=False).last_node
+    parent = leaf.parent
+    tree.set_location(parent, HOST, [10, 11])
+    tree.set_location(leaf, HOST, [12])
+    tree.pin(leaf)  # an L3 write reads the leaf's host page
+    assert tree.pop_evictable(HOST) is None
+    assert tree.pop_evictable_interior() is None  # the parent is in no lower tier: its host copy is needed
+    with pytest.raises(ValueError, match="may not leave before its children"):
+        tree.clear_location(parent, HOST, interior=True)
+    tree.set_location(parent, DISK, list(parent.keys))
+    assert tree.own_pins(parent) == 0 and tree.own_pins(leaf) == 1
+    assert tree.pop_evictable_interior(skip=lambda n: n is parent) is None
+    assert tree.pop_evictable_interior() is parent
+    with pytest.raises(ValueError, match="children in host"):
+        tree.clear_location(parent, HOST)  # not without interior=True
+    pages, orphans = tree.clear_location(parent, HOST, interior=True)
+    assert pages == [10, 11] and orphans == [] and parent.loc[1:] == [None, list(parent.keys)]
+    assert leaf.host_pages == [12] and parent.pin_ref == 1
+    tree.check_integrity()
+    tree.pin(parent)  # a pin of its own (a prefetch) holds a host copy above host children
+    tree.set_location(parent, HOST, [13, 14])
+    assert tree.pop_evictable_interior() is None
+    tree.unpin(parent)
+    assert tree.pop_evictable_interior() is parent
+    tree.check_integrity()
+
+
 def test_parent_cannot_leave_tier_before_children():
     tree = RadixTree(1)
     tree.insert([1, 2], [0, 1])

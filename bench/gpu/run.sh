@@ -292,7 +292,7 @@ agent() {
         python3 -m hicache.valkey_local --port 6390 --maxmemory "${gib}gb" >"$OUT/valkey.txt" 2>&1 &
         valkey=$!
         sleep 1
-        flags="$host12 --no-l3 --remote-url redis://127.0.0.1:6390/0 --remote-tokens $((gib * 8192 * 9 / 10))" ;;
+        flags="$host12 --no-l3 --remote-url redis://127.0.0.1:6390/0 --set cache.remote.size_tokens=$((gib * 8192 * 9 / 10))" ;;
       *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3shm_overlap host12_l3disk_never host12_remote)"
          continue ;;
     esac
