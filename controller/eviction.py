@@ -161,9 +161,9 @@ class Eviction:
         """Host pages by why they can or cannot leave now, for the report of a full host tier: free, landing (freed,
         a copy still lands), loading (an L3 read fills them), then each host node's pages under the first that
         applies: writing (an L3 write reads them), prefetched (held for a queued request), pinned (other pins of
-        their own), copying (a copy to the GPU still reads them), unwritten (not in L3: leaving drops them) and
-        evictable (in L3 too). O(nodes): for reports, not per step."""
-        census = dict.fromkeys(("free", "landing", "loading", "writing", "prefetched", "pinned", "copying",
+        their own), copying (a copy to the GPU still reads them), locked (a request's prefix not on the GPU),
+        unwritten (not in L3: leaving drops them) and evictable (in L3 too). O(nodes): for reports, not per step."""
+        census = dict.fromkeys(("free", "landing", "loading", "writing", "prefetched", "pinned", "copying", "locked",
                                 "unwritten", "evictable"), 0)
         census["free"] = self.host.allocator.free_pages
         census["landing"] = sum(len(pages) for _, pages in self.landing)
@@ -178,6 +178,8 @@ class Eviction:
                 why = "prefetched" if t.prefetched(node) else "pinned"
             elif node.lock_ref > 0 and not t.ready(node):
                 why = "copying"
+            elif node.lock_ref > 0 and not node.on_device:
+                why = "locked"
             elif not node.on_disk:
                 why = "unwritten"
             else:
