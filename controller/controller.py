@@ -20,6 +20,7 @@ method runs on one thread (the scheduler's); copies are asynchronous, L3 I/O run
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -37,6 +38,8 @@ from controller.transfers import Transfers
 from controller.writes import NoWrites, Writes, tier_writes
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 from tiers.copy import LaunchLater
+
+logger = logging.getLogger(__name__)
 
 
 class TierController:
@@ -89,6 +92,24 @@ class TierController:
         # counts the events that can give host memory back to a prefetch (a ticket or hold released, I/O applied):
         # a hold that stopped short is not asked again until one has happened (see `prefetch`)
         self.host_room_version = 0
+        self._disk_paid: bool | None = None  # the last answer of `_disk_writes_pay`, to log its changes
+        if policy.l3_only_if_loads_pay:
+            self.writes.disk_pays = self._disk_writes_pay
+
+    def _disk_writes_pay(self) -> bool:
+        """Whether the cost model would load pages from the L3 (WritePolicy.l3_only_if_loads_pay); logs changes."""
+        cost = self.loads.cost
+        pays = cost.mode != "auto" or cost.loads_pay(DISK)
+        if pays != self._disk_paid:
+            if not pays:
+                logger.warning("L3 writes paused: loading a page from it (%.2f ms at %.2f GB/s) costs more than "
+                               "recomputing it (%.2f ms), so nothing written would be read back "
+                               "(cache.write_policy.l3_only_if_loads_pay)", 1e3 * cost.load_seconds(DISK),
+                               (cost.disk_to_device_bytes_per_s or 0) / 1e9, 1e3 * cost.compute_seconds())
+            elif self._disk_paid is not None:
+                logger.info("L3 writes resumed: loading a page from it pays again")
+            self._disk_paid = pays
+        return pays
 
     @property
     def cost(self) -> CostModel:

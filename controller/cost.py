@@ -46,6 +46,13 @@ class CostModel:
         bw = self.host_to_device_bytes_per_s if tier == HOST else self.disk_to_device_bytes_per_s
         return 0.0 if not bw else self.page_bytes / bw
 
+    def loads_pay(self, tier: str) -> bool:
+        """Whether a page of `tier` can ever be loaded under this model: always in mode "always", never in "never",
+        and in "auto" where loading a page costs less than recomputing it (unknown costs count as paying)."""
+        if self.mode != "auto":
+            return self.mode == "always"
+        return self.load_seconds(tier) < self.compute_seconds()
+
     def compute_seconds(self) -> float:
         if not self.prefill_tokens_per_s:
             return float("inf")

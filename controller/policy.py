@@ -20,6 +20,11 @@ class WritePolicy:
     # copy waits (it is started when free pages fall to this share, when the page is evicted, or when the engine
     # idles). 1.0: copy every page as soon as it is computed.
     defer_above_free: float = 0.25
+    # host_to_disk: write nothing to the L3 (or the shared tier behind it) while the cost model, in mode auto,
+    # would load none of it: loading a page from it costs more than recomputing the page. Those writes cost disk
+    # bandwidth and engine time and this server never reads them back. False: write anyway (a store kept for
+    # servers whose costs differ, or for a restart on faster hardware).
+    l3_only_if_loads_pay: bool = True
 
     def __post_init__(self) -> None:
         for name in ("device_to_host", "host_to_disk"):

@@ -15,8 +15,9 @@ queue refuses waits, oldest first, until the queue has room (`drain_waiting`, ea
 pages (a long first prompt) outrun the disk for a while without losing their writes. Only a page that
 leaves host memory before its turn comes is dropped then, as `l3_queue_full`. A write that
 cannot be made is dropped and counted in `stats.drops` by reason: `host_full`, `l3_queue_full`,
-`disk_full`, `l3_gone` (the L3 process died), and for what the L3 store refuses `not_admitted` (its admission
-rule, `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
+`disk_full`, `l3_gone` (the L3 process died), `load_slower_than_recompute` (the cost model would never load it:
+`WritePolicy.l3_only_if_loads_pay`), and for what the L3 store refuses `not_admitted` (its admission rule,
+`cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from controller.eviction import Eviction
 from controller.l3_io import Completion, L3Worker
@@ -160,6 +161,8 @@ class Writes:
         tree.split_listeners.append(self._split)
         eviction.hook = self
         eviction.write_pending = lambda node: node.id in self._waiting
+        # whether L3 writes may pay back (the controller asks its cost model; WritePolicy.l3_only_if_loads_pay)
+        self.disk_pays: Callable[[], bool] = lambda: True
 
     # ------------------------------------------------------------------ events
 
@@ -299,6 +302,9 @@ class Writes:
             return node.on_disk
         if node.id in self._waiting and not bounce:
             return False  # it waits its turn (drain_waiting)
+        if not self.disk_pays():
+            self.stats.drops["load_slower_than_recompute"] += node.num_pages
+            return False
         if handle is None:  # a write asked for later (a hit, an eviction) may still find its host copy landing
             handle = self._copy_in_flight(node)
         parts = []

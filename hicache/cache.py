@@ -61,7 +61,8 @@ def namespace_fields(model_id: str, revision: str, dtype: str, layout: KVLayout,
 
 def write_policy(cfg: Config) -> WritePolicy:
     wp = cfg.cache.write_policy
-    return WritePolicy(wp.device_to_host, wp.host_to_disk, wp.selective_hits, wp.defer_above_free)
+    return WritePolicy(wp.device_to_host, wp.host_to_disk, wp.selective_hits, wp.defer_above_free,
+                       wp.l3_only_if_loads_pay)
 
 
 def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None = None) -> CostModel:

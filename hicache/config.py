@@ -101,6 +101,9 @@ class WritePolicyConfig:
     # write_through: while more than this share of the GPU pool is free, new pages' host copies wait (for the pool
     # to fill, for their eviction, or for the engine to idle); 1.0 copies every page as soon as it is computed
     defer_above_free: float = _WRITE_DEFAULTS.defer_above_free
+    # write nothing to the L3 / shared tier while loading from it would cost more than recomputing (mode auto):
+    # this server would never read it back. false: write anyway (a store for other servers or later restarts)
+    l3_only_if_loads_pay: bool = _WRITE_DEFAULTS.l3_only_if_loads_pay
 
 
 @dataclass(frozen=True)

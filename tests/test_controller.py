@@ -863,13 +863,39 @@ def test_cost_model_recomputes_slow_disk_pages():
     assert fast_disk.pages_to_load([(DEVICE, 2), (HOST, 3), (DISK, 4)]) == 9
     assert CostModel(2, 64, "never").pages_to_load([(DEVICE, 2), (HOST, 3)]) == 2
     assert CostModel(2, 64, "always", 1e6, 1.0, 1.0).pages_to_load([(HOST, 3), (DISK, 1)]) == 4
-    h = Harness(device=3, host=6, disk=32, cost=slow_disk)
+    # written although the planner would not load them (the default skips such writes: see below)
+    writes_anyway = dataclasses.replace(WritePolicy.eager(), l3_only_if_loads_pay=False)
+    h = Harness(device=3, host=6, disk=32, cost=slow_disk, policy=writes_anyway)
     h.run(seq(1, 2))
     for b in (2, 3, 4, 5):
         h.run(seq(b, 3))
     assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).disk_pages == 2
     assert h.run(seq(1, 2)) == {}  # dearer to load than to recompute
     assert h.ctrl.stats.recomputed_tokens == 4
+
+
+def test_nothing_is_written_to_an_l3_the_cost_model_would_never_load_from(caplog):
+    slow_disk = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", prefill_tokens_per_s=1e6,
+                          host_to_device_bytes_per_s=1e12, disk_to_device_bytes_per_s=1.0)
+    assert not slow_disk.loads_pay(DISK) and slow_disk.loads_pay(HOST)
+    with caplog.at_level("INFO", logger="controller.controller"):
+        h = Harness(device=3, host=6, disk=32, cost=slow_disk)
+        h.run(seq(1, 2))
+        h.run(seq(2, 2))
+        assert h.l3.used_pages() == 0 and h.ctrl.stats.drops == {"load_slower_than_recompute": 4}
+        assert h.ctrl.tree.pages_in[2] == 0
+        h.ctrl.cost = dataclasses.replace(slow_disk, disk_to_device_bytes_per_s=1e12)  # the disk proved fast
+        h.run(seq(3, 2))
+        assert h.l3.used_pages() == 2 and h.ctrl.tree.pages_in[2] == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("L3 writes paused" in m for m in messages) == 1 and sum("resumed" in m for m in messages) == 1
+    h.close()
+    # mode "never" and "always" keep writing: the user chose, not the cost model
+    for mode in ("never", "always"):
+        h = Harness(device=3, host=6, disk=32, cost=dataclasses.replace(slow_disk, mode=mode))
+        h.run(seq(1, 2))
+        assert h.l3.used_pages() == 2 and not h.ctrl.stats.drops
+        h.close()
 
 
 def test_disk_capacity_is_a_hard_cap():
