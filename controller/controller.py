@@ -93,19 +93,26 @@ class TierController:
         # a hold that stopped short is not asked again until one has happened (see `prefetch`)
         self.host_room_version = 0
         self._disk_paid: bool | None = None  # the last answer of `_disk_writes_pay`, to log its changes
+        # the disk bandwidth the model started with (calibrated at startup, or configured): see `_disk_writes_pay`
+        self._disk_bw_start = self.loads.cost.disk_to_device_bytes_per_s
         if policy.l3_only_if_loads_pay:
             self.writes.disk_pays = self._disk_writes_pay
 
     def _disk_writes_pay(self) -> bool:
-        """Whether the cost model would load pages from the L3 (WritePolicy.l3_only_if_loads_pay); logs changes."""
+        """Whether the cost model would load pages from the L3 (WritePolicy.l3_only_if_loads_pay); logs changes.
+
+        The L3 is judged at the better of its starting bandwidth and the one measured since: a congested spell
+        that drags the estimate down must not stop the writes for good (with nothing new written, and loads
+        refused, no read would ever raise the estimate again)."""
         cost = self.loads.cost
-        pays = cost.mode != "auto" or cost.loads_pay(DISK)
+        bw = max(cost.disk_to_device_bytes_per_s or 0.0, self._disk_bw_start or 0.0) or None
+        pays = cost.mode != "auto" or cost.loads_pay(DISK, bw)
         if pays != self._disk_paid:
             if not pays:
                 logger.warning("L3 writes paused: loading a page from it (%.2f ms at %.2f GB/s) costs more than "
                                "recomputing it (%.2f ms), so nothing written would be read back "
-                               "(cache.write_policy.l3_only_if_loads_pay)", 1e3 * cost.load_seconds(DISK),
-                               (cost.disk_to_device_bytes_per_s or 0) / 1e9, 1e3 * cost.compute_seconds())
+                               "(cache.write_policy.l3_only_if_loads_pay)", 1e3 * cost.page_bytes / (bw or 1.0),
+                               (bw or 0.0) / 1e9, 1e3 * cost.compute_seconds())
             elif self._disk_paid is not None:
                 logger.info("L3 writes resumed: loading a page from it pays again")
             self._disk_paid = pays
@@ -119,6 +126,7 @@ class TierController:
     @cost.setter
     def cost(self, cost: CostModel) -> None:
         self.loads.cost = cost
+        self._disk_bw_start = cost.disk_to_device_bytes_per_s
 
     @property
     def prefetch_enabled(self) -> bool:

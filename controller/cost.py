@@ -46,12 +46,16 @@ class CostModel:
         bw = self.host_to_device_bytes_per_s if tier == HOST else self.disk_to_device_bytes_per_s
         return 0.0 if not bw else self.page_bytes / bw
 
-    def loads_pay(self, tier: str) -> bool:
+    def loads_pay(self, tier: str, bytes_per_s: float | None = None) -> bool:
         """Whether a page of `tier` can ever be loaded under this model: always in mode "always", never in "never",
-        and in "auto" where loading a page costs less than recomputing it (unknown costs count as paying)."""
+        and in "auto" where loading a page costs less than recomputing it (unknown costs count as paying).
+        `bytes_per_s`: judge the tier at this bandwidth instead of the model's own."""
         if self.mode != "auto":
             return self.mode == "always"
-        return self.load_seconds(tier) < self.compute_seconds()
+        load = self.load_seconds(tier)
+        if bytes_per_s:
+            load = self.page_bytes / bytes_per_s if tier != DEVICE else 0.0
+        return load < self.compute_seconds()
 
     def compute_seconds(self) -> float:
         if not self.prefill_tokens_per_s:
