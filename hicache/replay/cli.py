@@ -91,7 +91,7 @@ def kv_bytes_per_token(args: argparse.Namespace, cfg: Any) -> int:
 # named policy sets for --policy; what a preset leaves out comes from the config
 POLICY_PRESETS: dict[str, dict[str, Any]] = {
     "lru-inclusive": {"device_to_host": "write_through", "host_to_disk": "write_through", "defer_above_free": 1.0,
-                      "eviction_policy": "lru", "admission_hits": 0},
+                      "eviction_policy": "lru", "admission_hits": 0, "l3_only_if_loads_pay": False},
     "server": {},  # the config's own (the server's default config without --config)
 }
 
@@ -119,7 +119,8 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
         args.defer_above_free
     policy = WritePolicy(args.write_device_to_host or preset.get("device_to_host", wp.device_to_host),
                          args.write_host_to_disk or preset.get("host_to_disk", wp.host_to_disk),
-                         args.selective_hits or wp.selective_hits, defer)
+                         args.selective_hits or wp.selective_hits, defer,
+                         preset.get("l3_only_if_loads_pay", wp.l3_only_if_loads_pay))
     lp = cfg.cache.load_policy
     gbps = lambda flag, conf: (flag or conf) and (flag or conf) * 1e9  # noqa: E731
     return ReplaySetup(
