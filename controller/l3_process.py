@@ -44,7 +44,7 @@ import torch
 
 from controller.l3_io import Completion, L3Worker
 from tiers.l3.format import L3Error
-from tiers.remote import RemoteAddress
+from tiers.persistent import remote_name
 
 logger = logging.getLogger(__name__)
 
@@ -573,7 +573,7 @@ class L3Process:
             raise ValueError("the L3 process needs a host pool in shared memory (HostPool(shared=True))")
         page_bytes = host.page_bytes
         self.path = (os.path.abspath(os.fspath(store_args["path"])) if store_args is not None
-                     else str(RemoteAddress.parse(remote_args["url"])))
+                     else remote_name(remote_args["url"]))
         staging_pages = queue_pages if staging_pages is None else staging_pages
         self.restart, self.restart_min_s = restart, restart_min_s
         self.closing = False

@@ -273,10 +273,11 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     _positive(c.l3.sync_batch_pages, "cache.l3.sync_batch_pages", source)
     _positive(c.l3.admission_hits, "cache.l3.admission_hits", source, allow_zero=True)
     if c.remote.url is not None:
-        from tiers.remote import RemoteAddress, RemoteError
+        from tiers.persistent import remote_name
+        from tiers.remote import RemoteError
 
         try:
-            RemoteAddress.parse(c.remote.url)
+            remote_name(c.remote.url)
         except RemoteError as e:
             raise ConfigError(f"{source}: {e.strerror or e}") from None
         _check_size(c.remote, "cache.remote", source, allow_zero=False, optional=True)

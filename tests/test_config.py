@@ -35,6 +35,9 @@ def test_defaults_and_shipped_configs_are_valid():
         ({"scheduler": {"prefill_batch_tokens": -1}}, "scheduler.prefill_batch_tokens: must be >= 0"),
         ({"cache": {"load_policy": {"overlap": "yes"}}}, "cache.load_policy.overlap"),
         ({"cache": {"load_policy": {"mode": "never", "overlap": True}}}, "overlap: needs mode auto"),
+        ({"cache": {"remote": {"url": "memcached://m:1"}}}, "the scheme must be redis:// or valkey://"),
+        ({"cache": {"remote": {"url": "mooncake://m:50051"}}}, "needs metadata"),
+        ({"cache": {"write_policy": {"l3_only_if_loads_pay": "sometimes"}}}, "l3_only_if_loads_pay"),
         (["a"], "top level must be a mapping"),
     ],
 )

@@ -23,6 +23,28 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
+def remote_store_class(url: str) -> type:
+    """The shared tier's store for a `cache.remote.url`: Mooncake for mooncake://, Valkey/Redis otherwise."""
+    if url.startswith("mooncake://"):
+        from tiers.mooncake import MooncakeStore
+
+        return MooncakeStore
+    from tiers.remote import RemoteStore
+
+    return RemoteStore
+
+
+def remote_name(url: str) -> str:
+    """A `cache.remote.url` checked and without its credentials (RemoteError where it is malformed)."""
+    if url.startswith("mooncake://"):
+        from tiers.mooncake import MooncakeAddress
+
+        return str(MooncakeAddress.parse(url))
+    from tiers.remote import RemoteAddress
+
+    return str(RemoteAddress.parse(url))
+
+
 def open_persistent(store_args: dict | None, remote_args: dict | None, remote_pages: int) -> Any:
     """The disk tier's store: an `L3Store`, or a `PersistentTiers` where a remote store is configured."""
     local = None
@@ -32,10 +54,8 @@ def open_persistent(store_args: dict | None, remote_args: dict | None, remote_pa
         local = L3Store(**store_args)
     if remote_args is None:
         return local
-    from tiers.remote import RemoteStore
-
     try:
-        remote = RemoteStore(**remote_args)
+        remote = remote_store_class(remote_args["url"])(**remote_args)
     except BaseException:
         if local is not None:
             local.close()

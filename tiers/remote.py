@@ -208,6 +208,19 @@ class _Connection:
         return "hit"
 
 
+def value_header(namespace: bytes, key: bytes, page: memoryview, page_bytes: int) -> bytes:
+    """The 64-byte header stored before a page's bytes (see the module doc)."""
+    digest = bound_checksum(namespace, key, checksum(page))
+    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, page_bytes, digest, key, namespace).ljust(HEADER_BYTES, b"\0")
+
+
+def header_matches(namespace: bytes, key: bytes, header: Any, page: memoryview, page_bytes: int) -> bool:
+    """Whether a value read back (header, page bytes) is this key's page of this namespace, intact."""
+    magic, version, _flags, length, digest, got_key, got_namespace = HEADER.unpack_from(header)
+    return (magic == MAGIC and version == FORMAT_VERSION and length == page_bytes and got_key == key
+            and got_namespace == namespace and digest == bound_checksum(namespace, key, checksum(page)))
+
+
 def _host_view(page: Any) -> memoryview:
     """A page buffer (a 1-D uint8 CPU tensor, or anything with the buffer protocol) as a writable memoryview."""
     if hasattr(page, "numpy"):
@@ -356,15 +369,10 @@ class RemoteStore:
                          "as misses", self.address, outcomes["bad"] + outcomes["size"])
 
     def _verify(self, key: bytes, header: memoryview, page: memoryview) -> bool:
-        magic, version, _flags, length, digest, got_key, namespace = HEADER.unpack_from(header)
-        return (magic == MAGIC and version == FORMAT_VERSION and length == self.page_bytes and got_key == key
-                and namespace == self.namespace
-                and digest == bound_checksum(self.namespace, key, checksum(page)))
+        return header_matches(self.namespace, key, header, page, self.page_bytes)
 
     def _header(self, key: bytes, page: memoryview) -> bytes:
-        digest = bound_checksum(self.namespace, key, checksum(page))
-        return HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.page_bytes, digest, key, self.namespace).ljust(
-            HEADER_BYTES, b"\0")
+        return value_header(self.namespace, key, page, self.page_bytes)
 
     def _write_batch(self, keys, pages, batch: list[int], results: list[bool], reasons: list[str | None]) -> None:
         if not batch:
