@@ -18,6 +18,14 @@ def test_defaults_and_shipped_configs_are_valid():
     assert from_dict({"cache": {"load_policy": {"overlap": True}}}).cache.load_policy.overlap
 
 
+def test_the_l3_write_gate_reaches_the_controller_policy():
+    from hicache.cache import write_policy
+
+    assert write_policy(from_dict({})).l3_only_if_loads_pay is True
+    off = from_dict({"cache": {"write_policy": {"l3_only_if_loads_pay": False}}})
+    assert write_policy(off).l3_only_if_loads_pay is False
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
