@@ -125,7 +125,10 @@ def build_tp_engine(cfg: Config, calibrate: bool = True, follower_command: Seque
     size = cfg.model.tp_size
     config = split_config(cfg.model.name)
     if config is not None:
-        check_divisible(config, size)
+        try:
+            check_divisible(config, size)
+        except ValueError as e:
+            raise ConfigError(f"model.tp_size: {e}") from None
     device = rank_device(cfg, 0)
     if device.type == "cuda":
         if torch.cuda.device_count() < size:
