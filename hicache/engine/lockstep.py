@@ -137,7 +137,10 @@ class Lockstep:
         Raises RankLost if any rank is gone, or EngineHalted if the leader's own forward failed."""
         if self.broken is not None:
             raise RankLost(self.broken)
-        self.ranks.check_alive()
+        try:
+            self.ranks.check_alive()
+        except RankLost as e:
+            raise self._halt(str(e)) from None
         self.seq += 1
         plan = Plan(STEP, self.seq, self.ops, inputs, scratch)
         self.ops = []

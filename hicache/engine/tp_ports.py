@@ -191,8 +191,8 @@ class LockstepWorker:
             results = [ok and all(i < len(r) and r[i] for r in ranks.values()) for i, ok in enumerate(own.results)]
             if results != own.results:
                 lost = sorted(rank for rank, r in ranks.items() if not all(r))
-                logger.warning("L3 %s of %d pages failed on tensor-parallel rank(s) %s: failed on every rank",
-                               own.kind, len(results), lost)
+                logger.warning("L3 %s of %d pages failed on tensor-parallel rank(s) %s: counted as failed on "
+                               "every rank", own.kind, len(results), lost)
             out.append(dataclasses.replace(own, token=self._tokens.pop(op), results=results))
         return out
 
