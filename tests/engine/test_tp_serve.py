@@ -1,7 +1,8 @@
-"""Tensor-parallel serving on the CPU (gloo): the engine at TP=2 (random:tiny: 4 heads, 2 KV heads, one a rank)
-against TP=1 through the same scenario (tests/engine/tp_lockstep_rank.py): greedy outputs token for token, prefix
-hits from host memory and from L3, a read that fails on one rank only, the early exits (a full batch, an idle
-engine), and the collectives of every rank; then `hicache serve --tp 2`, answering and losing a rank."""
+"""Tensor-parallel serving on the CPU (gloo): the engine at TP=2 and TP=4 (random:tiny: 4 heads, 2 KV heads, so
+one KV head a rank at 2, and each kept by 2 ranks at 4) against TP=1 through the same scenario
+(tests/engine/tp_lockstep_rank.py): greedy outputs token for token, prefix hits from host memory and from L3, a
+read that fails on one rank only, the early exits (a full batch, an idle engine), and the collectives of every
+rank; then `hicache serve --tp 2`, answering and losing a rank."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ sys.path.insert(0, str(HERE.parent / "server"))  # server_helpers: tiny_config, 
 RANK = HERE / "tp_lockstep_rank.py"
 ROOT = HERE.parents[1]
 RUN_TIMEOUT_S = 180
+SIZES = (1, 2, 4)  # at 4 ranks each of the 2 KV heads is kept by 2 ranks
+SPLIT = pytest.mark.parametrize("tp", [2, 4])
 
 
 def scenario_config(directory: Path, tp: int) -> dict:
@@ -51,7 +54,7 @@ def _env() -> dict[str, str]:
 def runs(tmp_path_factory) -> dict[int, dict]:
     """The scenario at TP=1 and TP=2, run side by side; each run's results, and the followers' collective logs."""
     procs = {}
-    for tp in (1, 2):
+    for tp in SIZES:
         directory = tmp_path_factory.mktemp(f"tp{tp}")
         config = directory / "config.json"
         config.write_text(json.dumps(scenario_config(directory, tp)))
@@ -76,16 +79,18 @@ def runs(tmp_path_factory) -> dict[int, dict]:
     return results
 
 
-def test_greedy_outputs_equal_one_ranks_token_for_token(runs):
-    one, two = runs[1], runs[2]
+@SPLIT
+def test_greedy_outputs_equal_one_ranks_token_for_token(runs, tp):
+    one, two = runs[1], runs[tp]
     assert [o["tokens"] for o in two["batch"]] == [o["tokens"] for o in one["batch"]]
     assert all(len(o["tokens"]) == 6 and o["error"] is None for o in two["batch"])
     assert two["miss"]["tokens"] == one["miss"]["tokens"]
     assert sum(two["miss"]["cached"].values()) == 0
 
 
-def test_prefix_hits_from_host_and_from_l3_give_the_outputs_of_a_miss(runs):
-    one, two = runs[1], runs[2]
+@SPLIT
+def test_prefix_hits_from_host_and_from_l3_give_the_outputs_of_a_miss(runs, tp):
+    one, two = runs[1], runs[tp]
     assert two["host"]["cached"] == {"device": 0, "host": 36, "disk": 0, "remote": 0}  # 9 pages: all from host
     assert two["disk"]["cached"]["disk"] >= 28  # the host pool kept at most the first 2 of the 9 pages
     for phase in ("host", "disk"):
@@ -93,11 +98,12 @@ def test_prefix_hits_from_host_and_from_l3_give_the_outputs_of_a_miss(runs):
         assert two[phase]["tokens"] == two["miss"]["tokens"] == one[phase]["tokens"]
 
 
-def test_a_read_that_fails_on_one_rank_is_recomputed_on_every_rank(runs):
+@SPLIT
+def test_a_read_that_fails_on_one_rank_is_recomputed_on_every_rank(runs, tp):
     """Rank 1's slab was overwritten: its reads fail their checksums while rank 0's succeed. The controller sees
     the reads fail (no L3 hit is counted) and recomputes; the outputs, which the all-reduces make from every
     rank's KV, are a miss's."""
-    one, two = runs[1], runs[2]
+    one, two = runs[1], runs[tp]
     assert two["corrupted_bytes"] > 0
     assert one["load_failures"] == 0 and one["failed_read"]["cached"]["disk"] >= 28  # TP=1: a plain L3 hit
     assert two["load_failures"] >= 1
@@ -106,13 +112,16 @@ def test_a_read_that_fails_on_one_rank_is_recomputed_on_every_rank(runs):
     assert two["failed_read"]["tokens"] == one["failed_read"]["tokens"] == two["miss"]["tokens"]
 
 
-def test_every_rank_made_the_same_collectives(runs):
+@SPLIT
+def test_every_rank_made_the_same_collectives(runs, tp):
     """Through the full batch, the idle engine and the failed read: the same collectives in the same order, with
-    the same shapes, on both ranks; one plan broadcast and one report gather per exchange."""
-    two = runs[2]
-    leader, follower = two["collectives"], two["follower_logs"][1]
+    the same shapes, on every rank; one plan broadcast and one report gather per exchange."""
+    two = runs[tp]
+    leader = two["collectives"]
     assert len(leader) > 100
-    assert follower == leader
+    assert sorted(two["follower_logs"]) == list(range(1, tp))
+    for rank, follower in two["follower_logs"].items():
+        assert follower == leader, f"rank {rank}"
     plans = [c for c in leader if c in ("broadcast_object_list", "all_gather_object")]
     exchanges = (len(plans) - 2) // 2
     # the handshake, then per exchange a plan and a gather of reports, then the stop plan
@@ -126,8 +135,9 @@ def test_each_rank_keeps_its_own_store_under_its_own_namespace(runs):
     from tiers.l3.slab import read_header, slab_path
 
     one = read_header(slab_path(str(runs[1]["dir"] / "l3"))).namespace
-    ranks = [read_header(slab_path(str(runs[2]["dir"] / "l3" / f"tp2-rank{r}"))).namespace for r in (0, 1)]
-    assert len({one, *ranks}) == 3  # a TP=2 store is never opened (nor its pages served) at TP=1, nor by another rank
+    ranks = [read_header(slab_path(str(runs[tp]["dir"] / "l3" / f"tp{tp}-rank{r}"))).namespace
+             for tp in (2, 4) for r in range(tp)]
+    assert len({one, *ranks}) == 7  # a TP=2 store is never opened (nor its pages served) at TP=1, nor by another rank
 
 
 def test_sizes_and_options_that_cannot_split_are_refused_by_name(tmp_path):
