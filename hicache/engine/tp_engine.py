@@ -187,6 +187,8 @@ def _build_leader(cfg: Config, group: RankGroup, device: torch.device, dtype_nam
         logger.info("prefix attention kernel warmed up on every rank in %.2f s", seconds)
     cache = build_cache(cfg, layout, dtype_name, device, namespace, prefill_tokens_per_s=speed,
                         wrap_ports=wrap_ports)
+    if device.type == "cuda" and cfg.model.cuda_graph_max_batch:
+        logger.info("decode CUDA graphs off: under tensor parallelism every rank runs its forward eagerly")
     logger.info("tensor parallel: %d ranks, %d KV heads a rank; rank 0 plans every step", size,
                 layout.num_kv_heads)
     return TPEngine(model, tokenizer, cache, cfg.scheduler, lockstep, group, cfg.model.tp_timeout_s)

@@ -50,17 +50,16 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *inherited])}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, dict]:
-    """The scenario at TP=1 and TP=2, run side by side; each run's results, and the followers' collective logs."""
+def run_scenarios(configs: dict[int, tuple[Path, dict]], scenario: str = "full") -> dict[int, dict]:
+    """The scenario with each config (by TP size), run side by side; each run's results, and the followers'
+    collective logs."""
     procs = {}
-    for tp in SIZES:
-        directory = tmp_path_factory.mktemp(f"tp{tp}")
+    for tp, (directory, cfg) in configs.items():
         config = directory / "config.json"
-        config.write_text(json.dumps(scenario_config(directory, tp)))
+        config.write_text(json.dumps(cfg))
         log = open(directory / "run.log", "wb")
         procs[tp] = (directory, log, subprocess.Popen([sys.executable, str(RANK), "leader", str(config),
-                                                       str(directory / "out.json")],
+                                                       str(directory / "out.json"), scenario],
                                                       stdout=log, stderr=subprocess.STDOUT, env=_env()))
     results = {}
     for tp, (directory, log, proc) in procs.items():
@@ -77,6 +76,35 @@ def runs(tmp_path_factory) -> dict[int, dict]:
                                    for p in directory.glob("rank-*.json")}
         results[tp] = result
     return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, dict]:
+    """The full scenario at TP=1, 2 and 4."""
+    configs = {}
+    for tp in SIZES:
+        directory = tmp_path_factory.mktemp(f"tp{tp}")
+        configs[tp] = (directory, scenario_config(directory, tp))
+    return run_scenarios(configs)
+
+
+def test_smollm2_over_three_ranks_gives_one_ranks_greedy_tokens(tmp_path):
+    """The real model (9 heads, 3 KV heads: one a rank), its checkpoint read shard by shard, no host or L3."""
+    configs = {}
+    for tp in (1, 3):
+        directory = tmp_path / f"tp{tp}"
+        directory.mkdir()
+        cfg = scenario_config(directory, tp)
+        cfg["model"]["name"] = "smollm2-135m-instruct"
+        cfg["cache"] = {"page_size": 16, "device": {"size_tokens": 512}, "host": {"size_tokens": 0},
+                        "load_policy": {"mode": "always"}}
+        configs[tp] = (directory, cfg)
+    results = run_scenarios(configs, "greedy")
+    one, three = results[1], results[3]
+    assert [o["tokens"] for o in three["batch"]] == [o["tokens"] for o in one["batch"]]
+    assert three["miss"]["tokens"] == one["miss"]["tokens"] and len(one["miss"]["tokens"]) == 12
+    for rank in (1, 2):
+        assert three["follower_logs"][rank] == three["collectives"]
 
 
 @SPLIT

@@ -1,13 +1,14 @@
 """The ranks of a tensor-parallel engine for tests/engine/test_tp_serve.py, each logging its collectives.
 
-    python tp_lockstep_rank.py leader CONFIG.json OUT.json   # rank 0: runs the scenario, starts the followers
+    python tp_lockstep_rank.py leader CONFIG.json OUT.json [greedy]  # rank 0: runs the scenario, starts the followers
     python tp_lockstep_rank.py follower LOG_DIR --rank K ...  # a follower (RankGroup.start adds the arguments)
 
 Every rank records the collectives it enters (broadcast_object_list, all_gather_object, all_reduce, all_gather,
 with tensor shapes), so that the test can check that all ranks made the same ones in the same order. The
 leader's scenario drives the early exits and the tiers: a batch larger than max_running_requests (requests wait
 in the queue), an idle engine (heartbeat plans only), a prefix served from host memory, one served from L3, and
-one whose L3 read fails on rank 1 only (its slab file is overwritten) and is recomputed. Outputs, cache counters
+one whose L3 read fails on rank 1 only (its slab file is overwritten) and is recomputed ("greedy": the batch and
+the miss only, for a config without host and L3 tiers). Outputs, cache counters
 and the leader's log of collectives go to OUT.json; each follower writes its log to LOG_DIR/rank-K.json.
 """
 
@@ -111,7 +112,7 @@ def corrupt_rank_store(l3_dir: str) -> int:
     return size - HEADER_BYTES
 
 
-def leader(config_path: str, out_path: str) -> int:
+def leader(config_path: str, out_path: str, scenario: str = "full") -> int:
     log = record_collectives()
     from hicache.config import from_dict
     from hicache.engine.builder import build_engine
@@ -129,6 +130,9 @@ def leader(config_path: str, out_path: str) -> int:
     result: dict = {"tp": tp}
     try:
         result["batch"] = generate(engine, PROMPT_BATCH, 6)  # 4 requests, 2 run at a time: the rest wait
+        if scenario == "greedy":
+            result["miss"] = generate(engine, [SHARED], 12)[0]
+            return 0
         result["idle_exchanges"] = idle(engine, 2.5)  # heartbeats only
         result["miss"] = generate(engine, [SHARED], 6)[0]
         generate(engine, FILLERS[:1], 2)  # takes the GPU pool: the shared prefix stays in host memory
@@ -146,12 +150,12 @@ def leader(config_path: str, out_path: str) -> int:
         result["failed_read"] = generate(engine, [SHARED], 6)[0]
         result["load_failures"] = engine.stats()["cache"]["load_failures"] - failures
         result["stats"] = engine.stats()["cache"]
+        return 0
     finally:
         engine.close()
-    result["collectives"] = log
-    with open(out_path, "w") as f:
-        json.dump(result, f, default=str)
-    return 0
+        result["collectives"] = log
+        with open(out_path, "w") as f:
+            json.dump(result, f, default=str)
 
 
 if __name__ == "__main__":
