@@ -119,11 +119,21 @@ def test_greedy_outputs_equal_one_ranks_token_for_token(runs, tp):
 @SPLIT
 def test_prefix_hits_from_host_and_from_l3_give_the_outputs_of_a_miss(runs, tp):
     one, two = runs[1], runs[tp]
-    assert two["host"]["cached"] == {"device": 0, "host": 36, "disk": 0, "remote": 0}  # 9 pages: all from host
-    assert two["disk"]["cached"]["disk"] >= 28  # the host pool kept at most the first 2 of the 9 pages
+    assert two["host"]["cached"] == one["host"]["cached"] == {"device": 0, "host": 36, "disk": 0, "remote": 0}
+    # the host pool may keep the first pages, as long as the fillers' L3 writes pin theirs: at most 2 of the 9
+    assert sum(two["disk"]["cached"].values()) == 36 and two["disk"]["cached"]["disk"] >= 28
     for phase in ("host", "disk"):
-        assert two[phase]["cached"] == one[phase]["cached"]  # the same decisions at TP=1
         assert two[phase]["tokens"] == two["miss"]["tokens"] == one[phase]["tokens"]
+
+
+@SPLIT
+def test_a_prefix_read_into_host_memory_while_its_request_waits_gives_the_outputs_of_a_miss(runs, tp):
+    one, two = runs[1], runs[tp]
+    # how many of its pages were still in host memory depends on when the fillers' L3 writes landed: not compared
+    assert two["prefetched_pages"] > 0 and one["prefetched_pages"] > 0
+    assert sum(two["prefetched"]["cached"].values()) == 36 and two["prefetched"]["cached"]["disk"] > 0
+    assert two["prefetched"]["tokens"] == two["miss"]["tokens"] == one["prefetched"]["tokens"]
+    assert all(f["error"] is None for f in two["fillers"]) and len(two["fillers"]) == 7
 
 
 @SPLIT

@@ -1,15 +1,16 @@
 """The ranks of a tensor-parallel engine for tests/engine/test_tp_serve.py, each logging its collectives.
 
-    python tp_lockstep_rank.py leader CONFIG.json OUT.json [greedy]  # rank 0: runs the scenario, starts the followers
+    python tp_lockstep_rank.py leader CONFIG.json OUT.json [greedy]  # rank 0: runs the scenario
     python tp_lockstep_rank.py follower LOG_DIR --rank K ...  # a follower (RankGroup.start adds the arguments)
 
 Every rank records the collectives it enters (broadcast_object_list, all_gather_object, all_reduce, all_gather,
 with tensor shapes), so that the test can check that all ranks made the same ones in the same order. The
 leader's scenario drives the early exits and the tiers: a batch larger than max_running_requests (requests wait
-in the queue), an idle engine (heartbeat plans only), a prefix served from host memory, one served from L3, and
-one whose L3 read fails on rank 1 only (its slab file is overwritten) and is recomputed ("greedy": the batch and
-the miss only, for a config without host and L3 tiers). Outputs, cache counters
-and the leader's log of collectives go to OUT.json; each follower writes its log to LOG_DIR/rank-K.json.
+in the queue), an idle engine (heartbeat plans only), a prefix served from host memory, one served from L3, one
+whose L3 read fails on rank 1 only (its slab file is overwritten) and is recomputed, and one read into host memory
+while its request waits in the queue (a prefetch). "greedy": the batch and the miss only, for a config without
+host and L3 tiers. Outputs, cache counters and the leader's log of collectives go to OUT.json; each follower
+writes its log to LOG_DIR/rank-K.json.
 """
 
 from __future__ import annotations
@@ -57,17 +58,18 @@ def follower(log_dir: str, argv: list[str]) -> int:
 
 PROMPT_BATCH = [[(7 * i + 13 * j) % 500 + 3 for j in range(18 + 3 * i)] for i in range(4)]
 SHARED = [(11 * j + 5) % 500 + 3 for j in range(40)]  # the prefix the tiers serve: 10 pages of 4 tokens
-FILLERS = [[(17 * i + 29 * j) % 500 + 3 for j in range(44)] for i in range(1, 6)]  # 11 pages each
+FILLERS = [[(17 * i + 29 * j) % 500 + 3 for j in range(44)] for i in range(1, 10)]  # 11 pages each
 
 
-def generate(engine, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    """Run prompts together to completion (greedy); each output's tokens and cached tokens per tier."""
+def generate(engine, prompts: list[list[int]], max_tokens: int | list[int]) -> list[dict]:
+    """Run prompts together to completion (greedy; max_tokens for all, or each its own); each output's tokens and
+    cached tokens per tier."""
     from hicache.engine.params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params)
+    for request_id, prompt, limit in zip(ids, prompts, limits):
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True))
     tokens = {i: [] for i in ids}
     cached: dict[str, dict] = {}
     errors: dict[str, str | None] = {}
@@ -135,12 +137,14 @@ def leader(config_path: str, out_path: str, scenario: str = "full") -> int:
             return 0
         result["idle_exchanges"] = idle(engine, 2.5)  # heartbeats only
         result["miss"] = generate(engine, [SHARED], 6)[0]
-        generate(engine, FILLERS[:1], 2)  # takes the GPU pool: the shared prefix stays in host memory
+        # a filler takes the GPU pool: the shared prefix stays in host memory
+        result["fillers"] = generate(engine, FILLERS[:1], 2)
         result["host"] = generate(engine, [SHARED], 6)[0]
-        generate(engine, FILLERS[1:3], 2)  # takes the GPU and host pools: the shared prefix stays on disk
+        # two take the GPU and host pools: the shared prefix stays on disk
+        result["fillers"] += generate(engine, FILLERS[1:3], 2)
         settle_io(engine)
         result["disk"] = generate(engine, [SHARED], 6)[0]
-        generate(engine, FILLERS[3:5], 2)
+        result["fillers"] += generate(engine, FILLERS[3:5], 2)
         settle_io(engine)
         failures = engine.stats()["cache"]["load_failures"]
         if tp > 1:
@@ -149,6 +153,13 @@ def leader(config_path: str, out_path: str, scenario: str = "full") -> int:
             result["corrupted_bytes"] = corrupt_rank_store(l3_directory(cfg, 1))
         result["failed_read"] = generate(engine, [SHARED], 6)[0]
         result["load_failures"] = engine.stats()["cache"]["load_failures"] - failures
+        result["fillers"] += generate(engine, FILLERS[5:7], 2)
+        settle_io(engine)
+        prefetched = engine.stats()["cache"]["prefetched_pages"]
+        # one filler runs at a time (the GPU pool holds one), so the shared prefix waits in the queue meanwhile
+        # and its disk pages are read into host memory before it is admitted
+        result["prefetched"] = generate(engine, [*FILLERS[7:9], SHARED], [2, 2, 6])[2]
+        result["prefetched_pages"] = engine.stats()["cache"]["prefetched_pages"] - prefetched
         result["stats"] = engine.stats()["cache"]
         return 0
     finally:
