@@ -40,6 +40,8 @@ class ModelConfig:
     tp_size: int = 1
     # every collective between the ranks ends with an error after this long (a rank lost, not a hang)
     tp_timeout_s: float = 60.0
+    # how long the ranks may take to start: load their shards and build their tiers
+    tp_start_timeout_s: float = 600.0
     # decode tokens attend through the paged Triton kernel where it runs (CUDA with Triton); false: the
     # PyTorch reference (gather + SDPA)
     decode_kernel: bool = True
@@ -311,6 +313,7 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
 def _check_tensor_parallel(m: ModelConfig, source: str) -> None:
     _positive(m.tp_size, "model.tp_size", source)
     _positive(m.tp_timeout_s, "model.tp_timeout_s", source)
+    _positive(m.tp_start_timeout_s, "model.tp_start_timeout_s", source)
     if m.tp_size == 1:
         return
     if m.tp_rank:

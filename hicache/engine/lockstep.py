@@ -101,8 +101,10 @@ class Lockstep:
     """The leader's side of the plan exchange: records ops, sends one plan per exchange, hands the followers'
     reports to the L3 proxy (`reports_to`), and notices lost ranks (`ranks.check_alive`)."""
 
-    def __init__(self, collectives: Collectives, ranks: Any, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, collectives: Collectives, ranks: Any, timeout_s: float,
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         self.collectives = collectives
+        self.timeout_s = timeout_s  # the process group's, on every collective
         self.ranks = ranks  # the follower processes: check_alive() raises RankLost, describe_loss() says which
         self.heartbeat_s = heartbeat_s
         self.ops: list[tuple] = []
@@ -153,6 +155,9 @@ class Lockstep:
             try:
                 result = forward()
             except Exception as e:  # noqa: BLE001 - the ranks' collectives are out of step now
+                lost = self.ranks.describe_loss()  # a follower that died in the forward fails its all-reduces
+                if lost is not None:
+                    raise self._halt(f"{lost} (the forward's collectives failed: {e})") from e
                 raise self._halt(f"the forward failed on rank 0 ({e!r}); the ranks' collectives are out of step",
                                  EngineHalted) from e
         try:
@@ -180,8 +185,9 @@ class Lockstep:
             logger.exception("sending the stop plan failed")
 
     def _lost(self, doing: str, error: Exception) -> RankLost:
-        who = self.ranks.describe_loss()
-        return self._halt(f"{who or 'a tensor-parallel rank was lost'} ({doing} failed: {error})")
+        who = self.ranks.describe_loss() or (f"a tensor-parallel rank did not answer within {self.timeout_s:g} s "
+                                             "(model.tp_timeout_s)")
+        return self._halt(f"{who} ({doing} failed: {error})")
 
     def _halt(self, why: str, kind: type[EngineHalted] = RankLost) -> EngineHalted:
         self.broken = why

@@ -143,7 +143,7 @@ def build_tp_engine(cfg: Config, calibrate: bool = True, follower_command: Seque
         from tiers.l3.lockfile import prepare_directory
 
         prepare_directory(os.path.abspath(cfg.cache.l3.path), read_only=False)
-    group = RankGroup.start(cfg, device, follower_command)
+    group = RankGroup.start(cfg, follower_command)
     try:
         return _build_leader(cfg, group, device, dtype_name, dtype, calibrate)
     except BaseException:
@@ -158,14 +158,10 @@ def _build_leader(cfg: Config, group: RankGroup, device: torch.device, dtype_nam
     layout = kv_layout(cfg, model, dtype)
     namespace = engine_namespace(cfg, model, dtype_name, layout)
     choose_kernels(cfg, model)
+    check_summaries([rank_summary(cfg, layout), *group.wait_ready(cfg.model.tp_start_timeout_s)])
+    group.join(device, cfg.model.tp_timeout_s)
     collectives = Collectives(0, size, device)
-    try:
-        summaries = collectives.gather(rank_summary(cfg, layout))  # the handshake: every rank has loaded its shard
-    except Exception as e:  # noqa: BLE001 - a follower that failed to load its shard
-        lost = group.describe_loss() or "a tensor-parallel rank was lost"
-        raise RankLost(f"{lost} (the handshake failed: {e})") from e
-    check_summaries(summaries)
-    lockstep = Lockstep(collectives, group)
+    lockstep = Lockstep(collectives, group, cfg.model.tp_timeout_s)
 
     def wrap_ports(tiers: RankTiers) -> tuple[Any, Any, Any]:
         """The controller's copier, L3 and worker: proxies over rank 0's own that record every byte move."""

@@ -31,6 +31,7 @@ from hicache.engine.engine import unpack_inputs
 from hicache.engine.host_io import HostStaging
 from hicache.engine.lockstep import STOP, Collectives, Plan, Report
 from hicache.engine.tp import TPShard
+from hicache.engine.tp_group import READY_KEY
 from hicache.engine.weights import load_model
 from hicache.modelinfo import resolve_device, resolve_dtype
 
@@ -140,14 +141,6 @@ def follow(collectives: Collectives, model: Any, tiers: RankTiers, page_size: in
             raise RuntimeError(f"rank {collectives.rank} stopped following: {error}")
 
 
-def init_group(rank: int, size: int, store_port: int, device: torch.device, timeout_s: float) -> None:
-    """Join the leader's process group (NCCL on CUDA, gloo on the CPU) through the TCP store it hosts."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False, timeout=timeout)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
-                            timeout=timeout)
-
-
 def rank_device(cfg: Config, rank: int) -> torch.device:
     """Rank K's device: cuda:K, or the CPU."""
     device = resolve_device(cfg.model.device)
@@ -155,24 +148,27 @@ def rank_device(cfg: Config, rank: int) -> torch.device:
 
 
 def serve_rank(cfg: Config, rank: int, store_port: int) -> None:
-    """Join the group, build this rank's shard and tiers, check they match the leader's, follow, close."""
+    """Load this rank's shard and build its tiers, say so in the leader's store (with what the leader checks),
+    join the process group, follow the plans, close."""
     size = cfg.model.tp_size
     device = rank_device(cfg, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    init_group(rank, size, store_port, device, cfg.model.tp_timeout_s)
+    store = dist.TCPStore("127.0.0.1", store_port, size, is_master=False,
+                          timeout=datetime.timedelta(seconds=cfg.model.tp_start_timeout_s))
     dtype_name = resolve_dtype(cfg.model.dtype, cfg.model.device)
     dtype = TORCH_DTYPES[dtype_name]
     model, _ = load_model(cfg.model.name, dtype, device, shard=TPShard(rank, size))
     layout = kv_layout(cfg, model, dtype)
     choose_kernels(cfg, model)
-    collectives = Collectives(rank, size, device)
-    collectives.gather(rank_summary(cfg, layout))  # the handshake: the leader checks that the ranks agree
     tiers = build_tiers(cfg, layout, dtype_name, device, engine_namespace(cfg, model, dtype_name, layout))
     try:
-        follow(collectives, model, tiers, cfg.cache.page_size)
+        store.set(READY_KEY.format(rank=rank), json.dumps(rank_summary(cfg, layout)))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=size, timeout=datetime.timedelta(seconds=cfg.model.tp_timeout_s))
+        follow(Collectives(rank, size, device), model, tiers, cfg.cache.page_size)
     finally:
         tiers.close()  # finishes queued L3 writes
     dist.destroy_process_group()

@@ -1,9 +1,13 @@
-"""The processes of a tensor-parallel group, from the leader's side: start the followers, join the process group
-with them, notice one that exits, and end them all.
+"""The processes of a tensor-parallel group, from the leader's side: start the followers, wait until they are
+ready, form the process group with them, notice one that exits, and end them all.
 
-The leader (rank 0, this process) hosts the group's TCP store on a port the kernel picks, starts ranks 1..N-1 as
-`python -m hicache.engine.tp_follower` (the config on their stdin, this checkout's packages first on their path),
-and joins the group: NCCL on CUDA (rank K on cuda:K), gloo on the CPU. Every collective has the config's timeout.
+The leader (rank 0, this process) hosts the group's TCP store on a port the kernel picks and starts ranks 1..N-1
+as `python -m hicache.engine.tp_follower` (the config on their stdin, this checkout's packages first on their
+path). Each loads its shard and builds its tiers, which can take minutes for a large model, then sets its ready key
+in the store with a summary of its tiers; the leader, loading its own shard meanwhile, waits for those keys while
+watching the processes (`model.tp_start_timeout_s`), so a follower that fails to start is named at once. Only then
+is the process group formed (NCCL on CUDA, rank K on cuda:K; gloo on the CPU), with `model.tp_timeout_s` on
+every collective: no collective waits for a rank that is still loading.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,50 +36,71 @@ EXIT_GRACE_S = 30.0  # how long a follower may take to close its tiers after the
 LOSS_NOTICE_S = 2.0  # after a failed collective, how long to wait for the lost follower's exit to show
 
 
-class RankGroup:
-    """The follower processes and the default process group they share with this one (rank 0)."""
+READY_KEY = "hicache/ready/{rank}"  # a follower's summary of its tiers, set in the store once it can follow
+READY_POLL_S = 0.1
 
-    def __init__(self, procs: list[subprocess.Popen], size: int) -> None:
+
+class RankGroup:
+    """The follower processes, the TCP store this process hosts for them, and the default process group."""
+
+    def __init__(self, procs: list[subprocess.Popen], size: int, store: Any) -> None:
         self.procs = procs  # rank k is procs[k - 1]
         self.size = size
+        self.store = store
 
     @classmethod
-    def start(cls, cfg: Config, device: torch.device, follower_command: Sequence[str] | None = None) -> RankGroup:
-        """Start ranks 1..N-1 and join the group with them (blocks until they have all joined, or the timeout).
-        `follower_command`: the program of a follower, run with `--rank K --size N --store-port P` (default:
-        this interpreter with `-m hicache.engine.tp_follower`)."""
+    def start(cls, cfg: Config, follower_command: Sequence[str] | None = None) -> RankGroup:
+        """Start ranks 1..N-1; they load their shards and build their tiers meanwhile (`wait_ready`, then
+        `join`). `follower_command`: the program of a follower, run with `--rank K --size N --store-port P
+        --log-level L` (default: this interpreter with `-m hicache.engine.tp_follower`)."""
         size = cfg.model.tp_size
-        timeout = datetime.timedelta(seconds=cfg.model.tp_timeout_s)
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+        start = datetime.timedelta(seconds=cfg.model.tp_start_timeout_s)
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=start, wait_for_workers=False)
         command = list(follower_command or [sys.executable, "-m", FOLLOWER_MODULE])
         config = json.dumps(to_dict(cfg))
         root = str(Path(__file__).resolve().parents[2])  # this checkout's packages, not another installed copy
         inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *inherited])}
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        procs = []
+        group = cls([], size, store)
         try:
             for rank in range(1, size):
                 proc = subprocess.Popen([*command, "--rank", str(rank), "--size", str(size), "--store-port",
                                          str(store.port), "--log-level", str(level)], stdin=subprocess.PIPE, env=env)
+                group.procs.append(proc)
                 proc.stdin.write(config.encode())
                 proc.stdin.close()
-                procs.append(proc)
-            group = cls(procs, size)
-            logger.info("tensor parallel: started ranks 1..%d (pids %s); joining the group", size - 1,
-                        ", ".join(str(p.pid) for p in procs))
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            try:
-                dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=timeout)
-            except Exception as e:  # noqa: BLE001 - a follower that never joined: name it
-                raise RankLost(f"{group.describe_loss() or 'a tensor-parallel rank did not join'} "
-                               f"(starting the group failed: {e})") from e
         except BaseException:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
+            group.close(grace_s=0.0)
             raise
+        logger.info("tensor parallel: started ranks 1..%d (pids %s)", size - 1,
+                    ", ".join(str(p.pid) for p in group.procs))
         return group
+
+    def wait_ready(self, timeout_s: float) -> list[dict]:
+        """Wait until every follower has loaded its shard and built its tiers; their summaries, by rank from 1.
+        Raises RankLost if one exits first, or if they are not all ready within timeout_s."""
+        keys = [READY_KEY.format(rank=rank) for rank in range(1, self.size)]
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                waiting = [rank for rank, key in enumerate(keys, start=1) if not self.store.check([key])]
+                raise RankLost(f"tensor-parallel ranks {waiting} were not ready within {timeout_s:.0f} s "
+                               "(model.tp_start_timeout_s)")
+            time.sleep(READY_POLL_S)
+        return [json.loads(self.store.get(key)) for key in keys]
+
+    def join(self, device: torch.device, timeout_s: float) -> None:
+        """Form the process group with the ready followers (NCCL on CUDA, gloo on the CPU); every collective of
+        it then ends with an error after timeout_s."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend, store=self.store, rank=0, world_size=self.size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 - a follower that never joined: name it
+            raise RankLost(f"{self.describe_loss() or 'a tensor-parallel rank did not join'} "
+                           f"(forming the process group failed: {e})") from e
 
     def check_alive(self) -> None:
         """Raise RankLost naming the first follower that has exited."""
@@ -103,7 +129,8 @@ class RankGroup:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                logger.error("tensor-parallel rank %d (pid %d) did not exit: killing it", rank, proc.pid)
+                if grace_s:
+                    logger.error("tensor-parallel rank %d (pid %d) did not exit: killing it", rank, proc.pid)
                 proc.kill()
                 proc.wait()
         if dist.is_initialized():

@@ -109,7 +109,7 @@ class LockstepWorker:
         self._ids = itertools.count()
         self._tokens: dict[int, Any] = {}  # op id -> the controller's token, until released
         self._own: dict[int, Completion] = {}  # op id -> the leader's own completion
-        self._reports: dict[int, dict[int, list[bool]]] = {}  # op id -> rank -> that rank's results
+        self._reports: dict[int, dict[int, list[bool] | None]] = {}  # op id -> rank -> its results (None: lost)
         self._write_pages: dict[int, int] = {}  # op id of a write -> its pages, until released
         self._staged: tuple[list[int], list[int]] | None = None  # the last `stage`: (buffer ids, host pages)
 
@@ -188,19 +188,19 @@ class LockstepWorker:
             own = self._own.pop(op)
             ranks = self._reports.pop(op)
             self._write_pages.pop(op, None)
-            results = [ok and all(i < len(r) and r[i] for r in ranks.values()) for i, ok in enumerate(own.results)]
+            results = [ok and all(r is not None and r[i] for r in ranks.values()) for i, ok in enumerate(own.results)]
             if results != own.results:
-                lost = sorted(rank for rank, r in ranks.items() if not all(r))
+                lost = sorted(rank for rank, r in ranks.items() if r is None or not all(r))
                 logger.warning("L3 %s of %d pages failed on tensor-parallel rank(s) %s: counted as failed on "
                                "every rank", own.kind, len(results), lost)
             out.append(dataclasses.replace(own, token=self._tokens.pop(op), results=results))
         return out
 
     def _fail_missing(self) -> None:
-        for op, reports in self._reports.items():
-            n = len(self._own[op].results) if op in self._own else 0
+        """The group is lost: a report that has not come never will (None: failed, whatever its pages)."""
+        for reports in self._reports.values():
             for rank in self.followers:
-                reports.setdefault(rank, [False] * n)
+                reports.setdefault(rank, None)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every read and write has finished on every rank (exchanging plans to hear of them); False

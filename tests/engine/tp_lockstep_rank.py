@@ -8,9 +8,9 @@ with tensor shapes), so that the test can check that all ranks made the same one
 leader's scenario drives the early exits and the tiers: a batch larger than max_running_requests (requests wait
 in the queue), an idle engine (heartbeat plans only), a prefix served from host memory, one served from L3, one
 whose L3 read fails on rank 1 only (its slab file is overwritten) and is recomputed, and one read into host memory
-while its request waits in the queue (a prefetch). "greedy": the batch and the miss only, for a config without
-host and L3 tiers. Outputs, cache counters and the leader's log of collectives go to OUT.json; each follower
-writes its log to LOG_DIR/rank-K.json.
+while its request waits in the queue (a prefetch). "greedy": two requests in a batch and the miss only, for a
+config without host and L3 tiers. Outputs, cache counters and the leader's log of collectives go to OUT.json;
+each follower writes its log to LOG_DIR/rank-K.json.
 """
 
 from __future__ import annotations
@@ -131,10 +131,11 @@ def leader(config_path: str, out_path: str, scenario: str = "full") -> int:
         engine = build_engine(cfg, calibrate=False)
     result: dict = {"tp": tp}
     try:
-        result["batch"] = generate(engine, PROMPT_BATCH, 6)  # 4 requests, 2 run at a time: the rest wait
-        if scenario == "greedy":
-            result["miss"] = generate(engine, [SHARED], 12)[0]
+        if scenario == "greedy":  # two requests in one batch, then one alone
+            result["batch"] = generate(engine, PROMPT_BATCH[:2], 4)
+            result["miss"] = generate(engine, [SHARED], 8)[0]
             return 0
+        result["batch"] = generate(engine, PROMPT_BATCH, 6)  # 4 requests, 2 run at a time: the rest wait
         result["idle_exchanges"] = idle(engine, 2.5)  # heartbeats only
         result["miss"] = generate(engine, [SHARED], 6)[0]
         # a filler takes the GPU pool: the shared prefix stays in host memory
