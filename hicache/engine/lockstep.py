@@ -142,7 +142,7 @@ class Lockstep:
         try:
             self.ranks.check_alive()
         except RankLost as e:
-            raise self._halt(str(e)) from None
+            raise self.halt(str(e)) from None
         self.seq += 1
         plan = Plan(STEP, self.seq, self.ops, inputs, scratch)
         self.ops = []
@@ -157,8 +157,8 @@ class Lockstep:
             except Exception as e:  # noqa: BLE001 - the ranks' collectives are out of step now
                 lost = self.ranks.describe_loss()  # a follower that died in the forward fails its all-reduces
                 if lost is not None:
-                    raise self._halt(f"{lost} (the forward's collectives failed: {e})") from e
-                raise self._halt(f"the forward failed on rank 0 ({e!r}); the ranks' collectives are out of step",
+                    raise self.halt(f"{lost} (the forward's collectives failed: {e})") from e
+                raise self.halt(f"the forward failed on rank 0 ({e!r}); the ranks' collectives are out of step",
                                  EngineHalted) from e
         try:
             reports = self.collectives.gather_reports(Report(0))
@@ -168,7 +168,7 @@ class Lockstep:
         self.exchanges += 1
         for report in reports[1:]:
             if report.error is not None:
-                raise self._halt(f"tensor-parallel rank {report.rank} cannot follow the plan: {report.error}")
+                raise self.halt(f"tensor-parallel rank {report.rank} cannot follow the plan: {report.error}")
             if report.done and self._on_reports is not None:
                 self._on_reports(report.rank, report.done)
         return result
@@ -187,9 +187,10 @@ class Lockstep:
     def _lost(self, doing: str, error: Exception) -> RankLost:
         who = self.ranks.describe_loss() or (f"a tensor-parallel rank did not answer within {self.timeout_s:g} s "
                                              "(model.tp_timeout_s)")
-        return self._halt(f"{who} ({doing} failed: {error})")
+        return self.halt(f"{who} ({doing} failed: {error})")
 
-    def _halt(self, why: str, kind: type[EngineHalted] = RankLost) -> EngineHalted:
+    def halt(self, why: str, kind: type[EngineHalted] = RankLost) -> EngineHalted:
+        """Mark the group broken (logged) and return the error to raise: nothing is sent to it any more."""
         self.broken = why
         logger.error("tensor-parallel group halted: %s", why)
         return kind(why)

@@ -91,7 +91,8 @@ class TPEngine(Engine):
         deadline = time.monotonic() + self.timeout_s
         while sched.draining:
             if time.monotonic() > deadline:
-                raise RankLost(f"the ranks' page loads did not finish within {self.timeout_s} s of shutdown")
+                raise self.lockstep.halt(f"the ranks' page loads did not finish within {self.timeout_s:g} s of "
+                                         "shutdown")
             self.lockstep.exchange()
             sched.ctrl.poll()
             sched.settle()
