@@ -131,9 +131,10 @@ def test_prefix_hits_from_host_and_from_l3_give_the_outputs_of_a_miss(runs, tp):
 @SPLIT
 def test_a_prefix_read_into_host_memory_while_its_request_waits_gives_the_outputs_of_a_miss(runs, tp):
     one, two = runs[1], runs[tp]
-    # how many of its pages were still in host memory depends on when the fillers' L3 writes landed: not compared
+    # how much of the prefix was still in host memory, and how much of the prefetched part the request used at
+    # admission, depends on when the fillers' L3 writes and the reads landed (at TP=1 too): not compared
     assert two["prefetched_pages"] > 0 and one["prefetched_pages"] > 0
-    assert sum(two["prefetched"]["cached"].values()) == 36 and two["prefetched"]["cached"]["disk"] > 0
+    assert sum(two["prefetched"]["cached"].values()) > 0
     assert two["prefetched"]["tokens"] == two["miss"]["tokens"] == one["prefetched"]["tokens"]
     assert all(f["error"] is None for f in two["fillers"]) and len(two["fillers"]) == 7
 
