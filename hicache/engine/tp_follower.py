@@ -46,7 +46,7 @@ SCRATCH_FORWARDS: dict[str, Callable[..., Any]] = {
 
 def rank_summary(cfg: Config, layout: Any) -> dict[str, Any]:
     """What must agree on every rank for page ids to mean the same: the tiers' capacities in pages and the page's
-    size (checked when the group starts, before the tiers are built)."""
+    size (each follower's goes with its ready key; the leader checks them before the process group forms)."""
     s = resolve_sizes(cfg, layout.bytes_per_token)
     return {"device_pages": s.device_pages, "host_pages": s.host_pages, "disk_pages": s.disk_pages,
             "remote_pages": s.remote_pages, "page_bytes": layout.page_bytes, "num_kv_heads": layout.num_kv_heads}
