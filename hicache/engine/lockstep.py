@@ -111,6 +111,7 @@ class Lockstep:
         self.seq = 0
         self.broken: str | None = None  # why the group cannot go on, once it cannot
         self.exchanges = 0
+        self.ops_sent = 0
         self._last = time.monotonic()
         self._on_reports: Callable[[int, list[tuple[int, list[bool]]]], None] | None = None
         self._awaiting: Callable[[], bool] = lambda: False
@@ -145,6 +146,7 @@ class Lockstep:
             raise self.halt(str(e)) from None
         self.seq += 1
         plan = Plan(STEP, self.seq, self.ops, inputs, scratch)
+        self.ops_sent += len(self.ops)
         self.ops = []
         try:
             self.collectives.broadcast_plan(plan)

@@ -68,6 +68,12 @@ class TPEngine(Engine):
             self.lockstep.exchange()
         return outputs
 
+    def stats(self) -> dict[str, Any]:
+        """Engine.stats, with the plans sent to the ranks and the byte moves they carried among the counters."""
+        s = super().stats()
+        s["engine"].update(tp_size=self.group.size, tp_plans=self.lockstep.exchanges, tp_ops=self.lockstep.ops_sent)
+        return s
+
     def close(self) -> None:
         """Abort what is left, wait for every rank's loads and writes, close the cache, stop the followers."""
         try:

@@ -264,6 +264,11 @@ def test_serve_tp2_answers_a_completion_as_one_rank_does(tmp_path, reference_com
         body = r.json()
         assert body["usage"]["completion_tokens"] == 8
         assert body["choices"][0]["text"] == reference_completion.text
+        from server_helpers import metric, metrics, wait_for
+
+        assert metric(metrics(url), "hicache_tp_plans_total") >= 8  # a plan for each forward at least (8 tokens)
+        # the prompt's page backed up to host once the engine idles (write-through deferred while the GPU has room)
+        assert wait_for(lambda: metric(metrics(url), "hicache_tp_ops_total") > 0)
         proc.terminate()
         assert proc.wait(60) == 0, log_path.read_text()[-3000:]
         assert "tensor parallel: 2 ranks" in log_path.read_text()
