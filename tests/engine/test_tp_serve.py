@@ -234,6 +234,24 @@ def _serve(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, Path]:
     raise AssertionError(f"server not ready:\n{log_path.read_text()[-4000:]}")
 
 
+def _running(pid: int) -> bool:
+    """Whether process pid still runs (an exited one waiting for its parent to reap it, a zombie, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _follower_pid(log_path: Path) -> int:
     match = re.search(r"started ranks 1\.\.1 \(pids (\d+)\)", log_path.read_text())
     assert match, log_path.read_text()[-2000:]
@@ -319,13 +337,26 @@ def test_a_rank_that_stops_answering_ends_the_server_within_the_collective_timeo
         assert code == 1, log[-3000:]
         assert "a tensor-parallel rank did not answer within 3 s (model.tp_timeout_s)" in log, log[-3000:]
         assert 3 <= waited < 30
-        with pytest.raises(ProcessLookupError):  # the server took the frozen rank with it
-            for _ in range(100):
-                os.kill(pid, 0)
-                time.sleep(0.1)
+        assert _wait_gone(pid, 10)  # the server took the frozen rank with it
     finally:
         if proc.poll() is None:
             proc.kill()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_killed_server_takes_its_ranks_with_it(tmp_path):
+    """The leader killed outright (no shutdown of its own): the follower's next collective fails and it exits."""
+    proc, url, log_path = _serve(tmp_path)
+    pid = _follower_pid(log_path)
+    proc.kill()
+    proc.wait(10)
+    try:
+        # its next collective fails as the leader's sockets close; the timeout (60 s) would bound it otherwise
+        assert _wait_gone(pid, 30), f"rank 1 (pid {pid}) still runs 30 s after its leader was killed"
+    finally:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
