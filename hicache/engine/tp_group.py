@@ -68,8 +68,11 @@ class RankGroup:
                 proc = subprocess.Popen([*command, "--rank", str(rank), "--size", str(size), "--store-port",
                                          str(store.port), "--log-level", str(level)], stdin=subprocess.PIPE, env=env)
                 group.procs.append(proc)
-                proc.stdin.write(config.encode())
-                proc.stdin.close()
+                try:
+                    proc.stdin.write(config.encode())
+                    proc.stdin.close()
+                except BrokenPipeError:  # it exited already: wait_ready names it
+                    pass
         except BaseException:
             group.close(grace_s=0.0)
             raise

@@ -197,6 +197,23 @@ def test_sizes_and_options_that_cannot_split_are_refused_by_name(tmp_path):
         build_engine(cfg)  # refused before any rank starts
 
 
+def test_a_rank_that_fails_to_start_is_named_at_once(tmp_path):
+    import torch
+
+    from hicache.engine.lockstep import RankLost
+    from hicache.engine.tp_engine import build_tp_engine
+
+    threads = torch.get_num_threads()  # building a leader shares the CPU's threads among the ranks
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankLost, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code 3"):
+            build_tp_engine(from_dict(scenario_config(tmp_path, 2)), calibrate=False,
+                            follower_command=[sys.executable, "-c", "raise SystemExit(3)"])
+    finally:
+        torch.set_num_threads(threads)
+    assert time.monotonic() - start < 30  # noticed while waiting for it, not after model.tp_start_timeout_s
+
+
 def test_the_server_flag_sets_the_size(tmp_path):
     from hicache.cli import build_parser
     from hicache.server.cli import build_config
