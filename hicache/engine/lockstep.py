@@ -187,8 +187,11 @@ class Lockstep:
             logger.exception("sending the stop plan failed")
 
     def _lost(self, doing: str, error: Exception) -> RankLost:
-        who = self.ranks.describe_loss() or (f"a tensor-parallel rank did not answer within {self.timeout_s:g} s "
-                                             "(model.tp_timeout_s)")
+        who = self.ranks.describe_loss()
+        if who is None:  # every follower process still runs: one is stuck, or its connection broke
+            text = str(error).lower()
+            who = (f"a tensor-parallel rank did not answer within {self.timeout_s:g} s (model.tp_timeout_s)"
+                   if "timed out" in text or "timeout" in text else "a tensor-parallel rank's connection broke")
         return self.halt(f"{who} ({doing} failed: {error})")
 
     def halt(self, why: str, kind: type[EngineHalted] = RankLost) -> EngineHalted:
