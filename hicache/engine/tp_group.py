@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 FOLLOWER_MODULE = "hicache.engine.tp_follower"
 EXIT_GRACE_S = 30.0  # how long a follower may take to close its tiers after the stop plan before it is killed
-LOSS_NOTICE_S = 2.0  # after a failed collective, how long to wait for the lost follower's exit to show
+LOSS_NOTICE_S = 1.0  # after a failed collective, how long to wait for the lost follower's exit to show
 
 
 READY_KEY = "hicache/ready/{rank}"  # a follower's summary of its tiers, set in the store once it can follow
