@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,18 +122,41 @@ def l3_in_process(cfg: Config, device: torch.device) -> bool:
     return True
 
 
-def build_cache(
-    cfg: Config,
-    layout: KVLayout,
-    dtype: str,
-    device: torch.device | str,
-    namespace: dict | None = None,
-    prefill_tokens_per_s: float | None = None,
-) -> CacheStack:
-    """Create the pools, the L3 store (when configured) and the controller for one model rank."""
+def l3_directory(cfg: Config, tp_rank: int) -> str | None:
+    """Where a rank's L3 store lives: `cache.l3.path` itself, or under tensor parallelism a directory of its own
+    in it (`tp<size>-rank<rank>`): a store holds one namespace, and each rank's holds its own head shard."""
+    path, size = cfg.cache.l3.path, cfg.model.tp_size
+    if path is None or size == 1:
+        return path
+    return os.path.join(path, f"tp{size}-rank{tp_rank}")
+
+
+@dataclass
+class RankTiers:
+    """The byte stores of one model rank: its pools, the copier between them, and the L3 store with the worker
+    that runs its I/O (absent tiers are None)."""
+
+    sizes: ResolvedSizes
+    namespace: bytes
+    device: DevicePool
+    host: HostPool | None
+    copier: Any | None
+    l3: Any | None
+    worker: Any | None
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.l3 is not None:
+            self.l3.close()
+
+
+def build_tiers(cfg: Config, layout: KVLayout, dtype: str, device: torch.device | str,
+                namespace: dict | None = None) -> RankTiers:
+    """Create one model rank's pools, copier and L3 store (when configured), sized by the config."""
     sizes = resolve_sizes(cfg, layout.bytes_per_token)
-    ns = namespace_fingerprint(namespace or {})
-    tree = RadixTree(cfg.cache.page_size, ns, cfg.cache.eviction_policy)
+    fields = namespace or {}
+    ns = namespace_fingerprint(fields)
     if (sizes.disk_pages or sizes.remote_pages) and not sizes.host_pages:
         tier = "cache.l3" if sizes.disk_pages else "cache.remote"
         raise ConfigError(f"{tier}: the disk tier needs a host tier (cache.host size > 0): "
@@ -149,7 +173,8 @@ def build_cache(
         slot_bytes = -(-layout.page_bytes // 4096) * 4096  # slots are 4 KiB aligned
         # small pages need many per sync: one fdatasync + LMDB commit per 32 x 64 KiB ran at 0.1 of raw
         sync_pages = c.sync_batch_pages or max(32, SYNC_BATCH_BYTES // layout.page_bytes)
-        store_args = dict(path=c.path, capacity_bytes=sizes.disk_pages * slot_bytes, page_bytes=layout.page_bytes,
+        store_args = dict(path=l3_directory(cfg, int(fields.get("tp_rank", 0))),
+                          capacity_bytes=sizes.disk_pages * slot_bytes, page_bytes=layout.page_bytes,
                           namespace=ns, io_backend=c.io_backend, io_threads=c.io_threads,
                           sync_batch_pages=sync_pages, admission_hits=c.admission_hits) if sizes.disk_pages else None
         remote_args = _remote_args(cfg, ns, layout.page_bytes) if sizes.remote_pages else None
@@ -164,11 +189,34 @@ def build_cache(
 
             l3 = open_persistent(store_args, remote_args, sizes.remote_pages)
             worker = L3Worker(l3, threads=c.io_threads, queue_pages=c.queue_pages, batch_pages=sync_pages)
+    return RankTiers(sizes, ns, device_pool, host_pool, copier, l3, worker)
+
+
+Ports = tuple[Any, Any, Any]  # (copier, L3 store, L3 worker), each None where the tier is absent
+
+
+def build_cache(
+    cfg: Config,
+    layout: KVLayout,
+    dtype: str,
+    device: torch.device | str,
+    namespace: dict | None = None,
+    prefill_tokens_per_s: float | None = None,
+    wrap_ports: Callable[[RankTiers], Ports] | None = None,
+) -> CacheStack:
+    """Create the pools, the L3 store (when configured) and the controller for one model rank. `wrap_ports`: the
+    copier, L3 store and worker the controller is given, made from the rank's tiers (tensor parallelism: proxies
+    that also send each byte move to the other ranks); by default the tiers' own."""
+    tiers = build_tiers(cfg, layout, dtype, device, namespace)
+    sizes, ns = tiers.sizes, tiers.namespace
+    tree = RadixTree(cfg.cache.page_size, ns, cfg.cache.eviction_policy)
+    device_pool, host_pool, l3 = tiers.device, tiers.host, tiers.l3
     cost = calibrate_bandwidths(cost_model(cfg, layout, prefill_tokens_per_s), cfg, device_pool, host_pool,
-                                copier, l3)
+                                tiers.copier, l3)
+    copier, ports_l3, worker = wrap_ports(tiers) if wrap_ports is not None else (tiers.copier, l3, tiers.worker)
     sched = cfg.scheduler
     controller = TierController(
-        tree, device_pool, host_pool, l3, copier, write_policy(cfg), cost, worker,
+        tree, device_pool, host_pool, ports_l3, copier, write_policy(cfg), cost, worker,
         min(sizes.disk_pages + sizes.remote_pages, l3.capacity_pages) if l3 is not None else None,
         prefetch=cfg.cache.load_policy.prefetch,
         launch_later=sched.launch_loads_after_forward or sched.admit_during_forward,

@@ -34,7 +34,14 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     revision: str = ""  # recorded in the cache namespace; empty = derived from the weights file
-    tp_rank: int = 0
+    tp_rank: int = 0  # the rank whose shard this process serves alone (tp_size 1); `hicache serve --tp` sets ranks
+    # tensor parallelism: the model split over this many processes, one rank per GPU (hicache.engine.tp_engine);
+    # rank 0 runs the scheduler, the radix tree and the controller, and every rank follows its plan each step
+    tp_size: int = 1
+    # every collective between the ranks ends with an error after this long (a rank lost, not a hang)
+    tp_timeout_s: float = 60.0
+    # how long the ranks may take to start: load their shards and build their tiers
+    tp_start_timeout_s: float = 600.0
     # decode tokens attend through the paged Triton kernel where it runs (CUDA with Triton); false: the
     # PyTorch reference (gather + SDPA)
     decode_kernel: bool = True
@@ -302,8 +309,23 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: server.port: must be in 1..65535, got {cfg.server.port}")
     _positive(cfg.server.max_body_bytes, "server.max_body_bytes", source)
     _positive(cfg.model.tp_rank, "model.tp_rank", source, allow_zero=True)
+    _check_tensor_parallel(cfg.model, source)
     _positive(cfg.model.cuda_graph_max_batch, "model.cuda_graph_max_batch", source, allow_zero=True)
     return cfg
+
+
+def _check_tensor_parallel(m: ModelConfig, source: str) -> None:
+    _positive(m.tp_size, "model.tp_size", source)
+    _positive(m.tp_timeout_s, "model.tp_timeout_s", source)
+    _positive(m.tp_start_timeout_s, "model.tp_start_timeout_s", source)
+    if m.tp_size == 1:
+        return
+    if m.tp_rank:
+        raise ConfigError(f"{source}: model.tp_rank: must be 0 with model.tp_size {m.tp_size} (every rank is "
+                          f"started by the server, rank 0 first), got {m.tp_rank}")
+    if m.device.startswith("cuda:"):
+        raise ConfigError(f"{source}: model.device: {m.device!r} names one GPU, but model.tp_size {m.tp_size} puts "
+                          "rank K on cuda:K (use cuda, or auto)")
 
 
 def from_dict(data: dict[str, Any] | None, source: str = "<dict>") -> Config:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,33 +21,40 @@ from tiers import KVLayout
 logger = logging.getLogger(__name__)
 
 
-def calibrate_prefill(model: Any, page_size: int, budget_s: float = 0.5) -> float:
+def scratch_prefill(model: Any, page_size: int, n: int) -> float:
+    """Seconds of one prefill of n tokens (seeded ids, so every tensor-parallel rank runs the same batch) into a
+    scratch KV pool."""
+    device = model.device
+    pages = -(-n // page_size)
+    kv = torch.zeros(model.kv_pool_shape(pages, page_size), dtype=model.dtype, device=device)
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+    batch = ForwardBatch(
+        input_ids=ids.to(device),
+        positions=torch.arange(n, device=device),
+        out_slots=torch.arange(n, device=device),
+        seq_lens=[n],
+        new_lens=[n],
+        page_tables=[torch.arange(pages, device=device)],
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    model(batch, kv, page_size)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def calibrate_prefill(model: Any, page_size: int, budget_s: float = 0.5,
+                      run: Callable[[int], float] | None = None) -> float:
     """Prefill tokens per second of `model`, from a timed prefill into a scratch KV pool.
 
-    A 32-token warm-up sizes the timed run to take about budget_s / 2 (64 to 512 tokens).
+    A 32-token warm-up sizes the timed run to take about budget_s / 2 (64 to 512 tokens). `run(n)` times one
+    prefill of n tokens (default `scratch_prefill`; tensor parallelism runs it on every rank at once).
     """
-    device = model.device
-
-    def run(n: int) -> float:
-        pages = -(-n // page_size)
-        kv = torch.zeros(model.kv_pool_shape(pages, page_size), dtype=model.dtype, device=device)
-        batch = ForwardBatch(
-            input_ids=torch.randint(0, model.config.vocab_size, (n,), device=device),
-            positions=torch.arange(n, device=device),
-            out_slots=torch.arange(n, device=device),
-            seq_lens=[n],
-            new_lens=[n],
-            page_tables=[torch.arange(pages, device=device)],
-        )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        model(batch, kv, page_size)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    if device.type == "cuda":  # a GPU is fast and shape-sensitive: time a serving-sized prefill after a warm-up
+    if run is None:
+        run = lambda n: scratch_prefill(model, page_size, n)  # noqa: E731
+    if model.device.type == "cuda":  # a GPU is fast and shape-sensitive: time a serving-sized prefill after a warm-up
         n = 2048
         run(n)
         return n / min(run(n), run(n))
@@ -74,12 +82,47 @@ def warm_up_prefix_kernel(model: Any, page_size: int) -> float:
     return time.perf_counter() - start
 
 
+def engine_namespace(cfg: Config, model: Any, dtype_name: str, layout: KVLayout) -> dict:
+    """The cache namespace of a loaded model: what changes the bytes of its pages (`namespace_fields`)."""
+    fields = model.fingerprint_fields()
+    revision = cfg.model.revision or str(fields.get("revision", ""))
+    return {
+        # a model cut to a tensor-parallel shard (hicache/engine/tp.py) says which; else the config's rank
+        **namespace_fields(str(fields["model"]), revision, dtype_name, layout,
+                           model.tp_rank if model.tp_size > 1 else cfg.model.tp_rank, model.tp_size),
+        **fields,
+        "revision": revision,
+    }
+
+
+def kv_layout(cfg: Config, model: Any, dtype: torch.dtype) -> KVLayout:
+    """What a page of this model (or of its tensor-parallel shard) holds."""
+    c = model.config
+    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, cfg.cache.page_size, dtype.itemsize)
+
+
+def choose_kernels(cfg: Config, model: Any) -> None:
+    """The kernels the model's forward uses, as configured (process-wide for the fused elementwise ones: the last
+    engine built decides; set before calibrating)."""
+    fused_ops.enabled = cfg.model.fused_elementwise
+    model.decode_kernel = cfg.model.decode_kernel
+    model.prefill_kernel = cfg.model.prefill_attention == "triton"
+
+
 def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrate: bool = True) -> Engine:
     """Load the model (unless given, e.g. shared between engines in tests) and assemble the cache and engine.
 
     The prefill speed for the load-or-recompute cost model comes from cache.load_policy when set;
     otherwise, in auto mode with `calibrate`, from a timed prefill; otherwise None (loading counts as free).
+    With model.tp_size > 1 the engine is rank 0 of a tensor-parallel group it starts (hicache.engine.tp_engine).
     """
+    if cfg.model.tp_size > 1:
+        if model is not None or tokenizer is not None:
+            raise ValueError("a tensor-parallel engine loads its own shards: build_engine takes no model with "
+                             f"model.tp_size {cfg.model.tp_size}")
+        from hicache.engine.tp_engine import build_tp_engine
+
+        return build_tp_engine(cfg, calibrate=calibrate)
     device = resolve_device(cfg.model.device)
     dtype_name = resolve_dtype(cfg.model.dtype, cfg.model.device)
     dtype = TORCH_DTYPES[dtype_name]
@@ -87,25 +130,14 @@ def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrat
         model, tokenizer = load_model(cfg.model.name, dtype, device)
     elif model.dtype != dtype or model.device.type != device.type:
         raise ValueError(f"the given model is {model.dtype} on {model.device}; the config asks {dtype} on {device}")
-    c = model.config
-    layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, cfg.cache.page_size, dtype.itemsize)
-    fields = model.fingerprint_fields()
-    revision = cfg.model.revision or str(fields.get("revision", ""))
-    namespace = {
-        # a model cut to a tensor-parallel shard (hicache/engine/tp.py) says which; else the config's rank
-        **namespace_fields(str(fields["model"]), revision, dtype_name, layout,
-                           model.tp_rank if model.tp_size > 1 else cfg.model.tp_rank, model.tp_size),
-        **fields,
-        "revision": revision,
-    }
-    fused_ops.enabled = cfg.model.fused_elementwise  # process-wide (the last engine built decides); before calibrating
+    layout = kv_layout(cfg, model, dtype)
+    namespace = engine_namespace(cfg, model, dtype_name, layout)
+    choose_kernels(cfg, model)
     speed = None
     lp = cfg.cache.load_policy
     if lp.prefill_tokens_per_s is None and lp.mode == "auto" and calibrate:
         speed = calibrate_prefill(model, cfg.cache.page_size)
         logger.info("calibrated prefill speed: %.0f tokens/s", speed)
-    model.decode_kernel = cfg.model.decode_kernel
-    model.prefill_kernel = cfg.model.prefill_attention == "triton"
     if device.type == "cuda" and model.uses_prefill_kernel(cfg.cache.page_size):
         seconds = warm_up_prefix_kernel(model, cfg.cache.page_size)
         logger.info("prefix attention kernel warmed up in %.2f s%s", seconds,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,71 @@ def pack_aligned(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, list[tuple[in
             chunks.append(np.zeros(pad, dtype=np.int64))
         at += len(part) + pad
     return (np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)), offsets
+
+
+class EngineHalted(RuntimeError):
+    """The engine cannot go on (a tensor-parallel rank was lost): `Engine.step` lets it through instead of failing
+    only the step's requests, and the engine thread then fails every request and stops."""
+
+
+@dataclass
+class ForwardInputs:
+    """One forward batch on the host, as sent to the device: one int64 array [ids | positions | slots | page
+    tables | decode rows | decode lens | last rows] (`pack_aligned`), each part's [start, end), and the lengths.
+    Small and picklable: tensor-parallel ranks receive it in their step's plan."""
+
+    packed: np.ndarray
+    offsets: list[tuple[int, int]]
+    seq_lens: list[int]
+    new_lens: list[int]
+
+
+def pack_inputs(plan: Sequence[tuple[Request, int]], page_size: int) -> ForwardInputs:
+    """The forward inputs of a plan, (request, new tokens) pairs whose pages are allocated."""
+    ps = page_size
+    ids: list[int] = []
+    positions, slots, tables = [], [], []
+    decode_rows, decode_lens, last_rows = [], [], []
+    for req, n in plan:
+        start = req.computed
+        if n == 1:
+            decode_rows.append(len(ids))
+            decode_lens.append(start + 1)
+        last_rows.append(len(ids) + n - 1)
+        ids.extend(req.token_ids[start : start + n])
+        table = np.asarray(req.pages[: -(-(start + n) // ps)], dtype=np.int64)
+        pos = np.arange(start, start + n, dtype=np.int64)
+        positions.append(pos)
+        slots.append(table[pos // ps] * ps + pos % ps)  # flat slot of each new token
+        tables.append(table)
+    extra = [np.asarray(v, dtype=np.int64) for v in (decode_rows, decode_lens, last_rows)]
+    no_ints = np.zeros(0, dtype=np.int64)
+    packed, offsets = pack_aligned([np.asarray(ids, dtype=np.int64), np.concatenate([no_ints, *positions]),
+                                    np.concatenate([no_ints, *slots]), *tables, *extra])
+    return ForwardInputs(packed, offsets, [req.computed + n for req, n in plan], [n for _, n in plan])
+
+
+def unpack_inputs(inputs: ForwardInputs, device: torch.device,
+                  upload: Callable[[np.ndarray], torch.Tensor] | None = None) -> ForwardBatch:
+    """The ForwardBatch of packed inputs, sent to `device` in one transfer (`upload`: on CUDA through HostStaging,
+    which no page load in the copy engines delays)."""
+    packed = inputs.packed
+    flat = upload(packed) if upload is not None else torch.from_numpy(packed).to(device)
+    views = [flat[start:end] for start, end in inputs.offsets]
+    tables = len(views) - 6
+    ids_d, positions_d, slots_d = views[:3]
+    decode_rows_d, decode_lens_d, last_rows_d = views[3 + tables :]
+    return ForwardBatch(
+        input_ids=ids_d,
+        positions=positions_d,
+        out_slots=slots_d,
+        seq_lens=list(inputs.seq_lens),
+        new_lens=list(inputs.new_lens),
+        page_tables=views[3 : 3 + tables],
+        decode_rows=decode_rows_d,
+        decode_lens=decode_lens_d,
+        last_rows=last_rows_d,
+    )
 
 
 class Engine:
@@ -190,6 +256,8 @@ class Engine:
                 # commit after the sampled tokens reached the host: the GPU -> host backups that commits start are
                 # queued after this step's work, so reading the sampled tokens never waits behind them
                 self.scheduler.advance(plan)
+            except EngineHalted:
+                raise
             except Exception as e:  # noqa: BLE001 - one step's failure ends its requests, not the engine
                 outputs.extend(self._fail(plan, e))
                 probe.end([], 0)
@@ -252,44 +320,17 @@ class Engine:
                 [req.pages for req, _ in plan],
             )
         start_inputs = time.perf_counter()
-        # one int64 array [ids | positions | slots | page tables | decode rows | decode lens | last rows], sent to
-        # the device in one transfer (on CUDA through HostStaging, which no page load in the copy engines delays)
-        ids: list[int] = []
-        positions, slots, tables = [], [], []
-        decode_rows, decode_lens, last_rows = [], [], []
-        for req, n in plan:
-            start = req.computed
-            if n == 1:
-                decode_rows.append(len(ids))
-                decode_lens.append(start + 1)
-            last_rows.append(len(ids) + n - 1)
-            ids.extend(req.token_ids[start : start + n])
-            table = np.asarray(req.pages[: -(-(start + n) // ps)], dtype=np.int64)
-            pos = np.arange(start, start + n, dtype=np.int64)
-            positions.append(pos)
-            slots.append(table[pos // ps] * ps + pos % ps)  # flat slot of each new token
-            tables.append(table)
-        extra = [np.asarray(v, dtype=np.int64) for v in (decode_rows, decode_lens, last_rows)]
-        no_ints = np.zeros(0, dtype=np.int64)
-        packed, offsets = pack_aligned([np.asarray(ids, dtype=np.int64), np.concatenate([no_ints, *positions]),
-                                        np.concatenate([no_ints, *slots]), *tables, *extra])
-        flat = self.staging.upload(packed) if self.staging is not None else torch.from_numpy(packed).to(self.device)
-        views = [flat[start:end] for start, end in offsets]
-        ids_d, positions_d, slots_d = views[:3]
-        decode_rows_d, decode_lens_d, last_rows_d = views[3 + len(tables) :]
-        batch = ForwardBatch(
-            input_ids=ids_d,
-            positions=positions_d,
-            out_slots=slots_d,
-            seq_lens=[req.computed + n for req, n in plan],
-            new_lens=[n for _, n in plan],
-            page_tables=views[3 : 3 + len(tables)],
-            decode_rows=decode_rows_d,
-            decode_lens=decode_lens_d,
-            last_rows=last_rows_d,
-        )
+        inputs = pack_inputs(plan, ps)
         self.counters["inputs_s"] += time.perf_counter() - start_inputs
-        return self.model(batch, self.kv, ps)
+        return self._run_forward(inputs)
+
+    def _run_forward(self, inputs: ForwardInputs) -> torch.Tensor:
+        """The model's logits for a packed batch (tensor parallelism overrides it: every rank runs it at once)."""
+        start_inputs = time.perf_counter()
+        upload = self.staging.upload if self.staging is not None else None
+        batch = unpack_inputs(inputs, self.device, upload)
+        self.counters["inputs_s"] += time.perf_counter() - start_inputs
+        return self.model(batch, self.kv, self.page_size)
 
     def _download(self, tokens: torch.Tensor) -> list[int]:
         """The sampled tokens on the host (through the kernel-written staging buffer on CUDA; see host_io)."""

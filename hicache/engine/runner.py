@@ -81,6 +81,11 @@ class EngineThread:
         with self._stats_lock:
             return self._stats
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the loop has ended (shut down, or died: see `error`); False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop (open requests get an "abort" output) and close the engine's cache."""
         self._stop.set()

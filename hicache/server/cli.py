@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name, random:<preset> or Hugging Face directory (model.name)")
     p.add_argument("--served-model-name", help="model id reported by /v1/models and expected in requests")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N (model.device)")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="tensor parallelism: split the model over N processes, one a GPU (model.tp_size)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="model.dtype")
     p.add_argument("--host", help=f"address to bind (default {_SERVER.host}; server.host)")
     p.add_argument("--port", type=int, help=f"port (default {_SERVER.port}; server.port)")
@@ -77,7 +79,7 @@ def build_config(args: argparse.Namespace) -> Config:
     """The config file with the command line's overrides applied (ConfigError on bad values)."""
     cfg = load_config(args.config)
     dotted: dict[str, Any] = {
-        "model.name": args.model, "model.device": args.device, "model.dtype": args.dtype,
+        "model.name": args.model, "model.device": args.device, "model.dtype": args.dtype, "model.tp_size": args.tp,
         "model.cuda_graph_max_batch": args.cuda_graph_max_batch, "model.decode_kernel": args.decode_kernel,
         "server.host": args.host, "server.port": args.port, "server.served_model_name": args.served_model_name,
         "server.max_body_bytes": args.max_body_bytes, "server.trace_log": args.trace_log,
@@ -156,7 +158,15 @@ def run(args: argparse.Namespace) -> int:
 
     trace = _trace_window(args.trace_steps) if args.trace_gpu else None
     sock = preflight(cfg)  # a busy port or a bad L3 path fails now, not after the model has loaded
-    built = build_engine(cfg)
+    from hicache.engine.engine import EngineHalted
+
+    try:
+        built = build_engine(cfg)
+    except EngineHalted as e:  # a tensor-parallel rank that failed to start (its own log says why)
+        sock.close()
+        print(f"hicache serve: the tensor-parallel group did not start: {e}", file=sys.stderr)
+        exit_without_teardown(1, always=True)
+        return 1
     if trace is not None:
         built.trace_gpu(args.trace_gpu, *trace)
     if args.step_log:
@@ -171,19 +181,36 @@ def run(args: argparse.Namespace) -> int:
                                 timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
         logger.info("serving %s on http://%s:%d (auth %s)", cfg.model.name, s.host, s.port,
                     "on" if s.api_key else "off")
-        _Server(config).run(sockets=[sock])
+        server = _Server(config)
+        if cfg.model.tp_size > 1:  # a lost rank ends the engine thread: the server goes with it
+            threading.Thread(target=_stop_with_engine, args=(engine.runner, server), name="hicache-engine-watch",
+                             daemon=True).start()
+        server.run(sockets=[sock])
     finally:
         sock.close()
         engine.shutdown()  # already done by the app's shutdown unless startup failed
+    if engine.runner.error is not None and cfg.model.tp_size > 1:
+        print(f"hicache serve: the tensor-parallel engine stopped: {engine.runner.error}", file=sys.stderr)
+        exit_without_teardown(1, always=True)  # a broken process group can abort the interpreter's teardown
     exit_without_teardown(0)
     return 0
 
 
-def exit_without_teardown(code: int) -> None:
+def _stop_with_engine(runner: Any, server: Any) -> None:
+    """Once the engine thread has ended with an error (a tensor-parallel rank lost), stop serving: its requests
+    have been failed, and no other can be served."""
+    runner.join()
+    if runner.error is not None:
+        logger.error("the engine stopped (%s): shutting the server down", runner.error)
+        server.should_exit = True
+
+
+def exit_without_teardown(code: int, always: bool = False) -> None:
     """End the process once serving is over and everything is closed (engine, L3 store, sockets), skipping the
     interpreter's teardown: there Triton's nanobind bindings print some 30 lines of "nanobind: leaked ..." (its
-    own objects, not ours), which read as a crash at every clean shutdown. Only where Triton is loaded."""
-    if "triton" not in sys.modules:
+    own objects, not ours), which read as a crash at every clean shutdown. Only where Triton is loaded, unless
+    `always`."""
+    if "triton" not in sys.modules and not always:
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -208,11 +235,15 @@ def preflight(cfg: Any) -> socket.socket:
     sock.set_inheritable(True)
     path = cfg.cache.l3.path
     if path:
+        from hicache.cache import l3_directory
         from tiers.l3.lockfile import WriterLock, prepare_directory
 
         try:
             prepare_directory(os.path.abspath(path), read_only=False)
-            WriterLock(os.path.abspath(path)).release()  # only a probe: the store takes the lock itself
+            for rank in range(cfg.model.tp_size):  # tensor parallelism: a store a rank, in directories of path
+                directory = os.path.abspath(l3_directory(cfg, rank))
+                prepare_directory(directory, read_only=False)
+                WriterLock(directory).release()  # only a probe: the store takes the lock itself
         except OSError:
             sock.close()
             raise

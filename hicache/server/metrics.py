@@ -54,6 +54,9 @@ ENGINE_COUNTERS = (
      "queued (starting loads, admit_during_forward), while the GPU computes", "overlapped_s"),
     ("hicache_computed_prefill_tokens", "Prompt tokens computed (not served by cache)", "prefill_tokens"),
     ("hicache_computed_decode_tokens", "Tokens decoded", "decode_tokens"),
+    ("hicache_tp_plans", "Plans rank 0 sent to the other tensor-parallel ranks (0 without tensor parallelism)",
+     "tp_plans"),
+    ("hicache_tp_ops", "Byte moves (copies, L3 reads, writes, deletes) those plans carried", "tp_ops"),
 )
 
 
