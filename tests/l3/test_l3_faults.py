@@ -25,6 +25,36 @@ def _raise(code: int):
     return fail
 
 
+class _FailingNative:
+    """The native page loop (tiers/l3/native.py) with one direction failing as the patched syscall does."""
+
+    def __init__(self, native, op: str, code: int) -> None:
+        self._native, self._op, self._code = native, op, code
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+    def read(self, *args):
+        if self._op == "read":
+            raise OSError(self._code, os.strerror(self._code))
+        return self._native.read(*args)
+
+    def write(self, *args):
+        if self._op == "write":
+            raise OSError(self._code, os.strerror(self._code))
+        return self._native.write(*args)
+
+
+def _inject(monkeypatch, store: L3Store, op: str, code: int) -> None:
+    """Make the store's `op` ("read" or "write") fail with `code` on both of its paths: the vectored syscalls, and
+    the native loop that moves whole aligned pages (which page takes which depends on its buffer's alignment, so
+    a fault injected in one path only would reach some pages and not others)."""
+    monkeypatch.setattr(os, "pwritev" if op == "write" else "preadv", _raise(code))
+    native = getattr(store._io, "native", None)
+    if native is not None:
+        monkeypatch.setattr(store._io, "native", _FailingNative(native, op, code))
+
+
 def _write(store: L3Store, ids, page_bytes: int = 8192) -> list[bool]:
     keys = [key(i) for i in ids]
     return store.write_pages(keys, [content(k, page_bytes) for k in keys])
@@ -41,7 +71,7 @@ def _reads_back(store: L3Store, ids, page_bytes: int = 8192) -> list[bool]:
 def test_write_error_degrades_and_indexes_nothing(open_store, monkeypatch, code):
     store = open_store(degraded_retry_s=3600)
     assert all(_write(store, range(3)))
-    monkeypatch.setattr(os, "pwritev", _raise(code))
+    _inject(monkeypatch, store, "write", code)
     assert _write(store, range(3, 6)) == [False] * 3
     stats = store.stats()
     assert stats["state"] == "degraded" and stats["write_errors"] == 3 and stats["pages"] == 3
@@ -96,7 +126,7 @@ def test_degraded_store_recovers_after_a_successful_probe(open_store, monkeypatc
 
 def test_degraded_state_is_cleared_by_reopen(tmp_path, monkeypatch):
     with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE, degraded_retry_s=3600) as store:
-        monkeypatch.setattr(os, "pwritev", _raise(errno.ENOSPC))
+        _inject(monkeypatch, store, "write", errno.ENOSPC)
         assert _write(store, [1]) == [False]
         monkeypatch.undo()
     with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
@@ -106,7 +136,7 @@ def test_degraded_state_is_cleared_by_reopen(tmp_path, monkeypatch):
 def test_read_error_is_a_miss_but_keeps_the_entry(open_store, monkeypatch):
     store = open_store()
     assert all(_write(store, [1]))
-    monkeypatch.setattr(os, "preadv", _raise(errno.EIO))
+    _inject(monkeypatch, store, "read", errno.EIO)
     assert _reads_back(store, [1]) == [False]
     assert store.stats()["read_errors"] == 1
     monkeypatch.undo()
