@@ -312,6 +312,37 @@ def test_serve_tp2_answers_a_completion_as_one_rank_does(tmp_path, reference_com
             proc.kill()
 
 
+def test_a_prefix_computed_by_one_tp2_server_is_a_shared_tier_hit_on_another(tmp_path, valkey, reference_completion):
+    """Two servers at TP=2 share one Valkey: each rank writes its own shard under its rank's namespace, and the
+    second server's ranks read theirs back (greedy output as TP=1's)."""
+    from server_helpers import metric, metrics, wait_for
+
+    body = {"model": "random:tiny", "prompt": "a prompt for two ranks", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    shared = ("--no-l3", "--remote-url", valkey.url, "--set", "cache.remote.key_prefix=tp-shared-test")
+    answers = []
+    for name in ("a", "b"):
+        directory = tmp_path / name
+        directory.mkdir()
+        proc, url, log_path = _serve(directory, *shared)
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+            if name == "a":  # rank 0's pages reach the shared tier (write-through, once the engine idles)
+                assert wait_for(lambda u=url: metric(metrics(u), "hicache_remote_operations_total", op="writes") > 0)
+            # a clean exit waits for every rank, and a rank finishes its queued writes as it closes its tiers
+            proc.terminate()
+            assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    first, second = answers
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == reference_completion.text
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens_per_tier"]["remote"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens_per_tier"]["remote"] > 0
+
+
 def test_a_rank_killed_mid_request_ends_the_server_with_a_named_error(tmp_path):
     proc, url, log_path = _serve(tmp_path)
     pid = _follower_pid(log_path)
