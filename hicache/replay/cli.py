@@ -162,7 +162,8 @@ def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, wi
     if rep.store is not None:
         s = rep.store
         disk_stats = {"pages_written": s.pages_written, "pages_read": s.pages_read, "deleted_unread": s.deleted_unread,
-                      "unread_at_end": s.unread_pages(), "not_admitted": s.not_admitted}
+                      "unread_at_end": s.unread_pages(), "not_admitted": s.not_admitted,
+                      "not_worth_loading": rep.controller.stats.drops["load_slower_than_recompute"]}
     summary = summarize(totals, setup, cost_inputs(setup), reuse, disk_stats, window_ms)
     summary["replay_seconds"] = elapsed
     summary["blocks_per_s"] = totals.blocks / elapsed if elapsed > 0 else None

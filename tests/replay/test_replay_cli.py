@@ -82,6 +82,23 @@ def test_json_figures_and_exit_codes(tmp_path: Path) -> None:
     assert s["disk_sizing"]["ideal_hit_rate"] == pytest.approx(6 / 13)
 
 
+def test_a_disk_slower_than_recomputing_gets_no_writes_and_the_summary_says_why(tmp_path: Path, capsys) -> None:
+    rows = [mooncake(i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6], [1, 2, 3, 7], [4, 5, 6]])]
+    trace = write(tmp_path / "t.jsonl", rows)
+    base = ["replay", trace, "--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20",
+            "--disk-tokens", "32", "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100",
+            "--load-mode", "auto", "--prefill-tokens-per-s", "1e6", "--host-to-device-gbps", "100", "--no-progress"]
+    slow = tmp_path / "slow.json"
+    assert main([*base, "--disk-to-device-gbps", "1e-6", "--json", str(slow)]) == 0  # 400 s to load a block
+    d = json.loads(slow.read_text())["disk"]
+    assert d["pages_written"] == 0 and d["not_worth_loading_pages"] > 0
+    assert "disk writes skipped" in capsys.readouterr().out
+    fast = tmp_path / "fast.json"
+    assert main([*base, "--disk-to-device-gbps", "100", "--json", str(fast)]) == 0
+    d = json.loads(fast.read_text())["disk"]
+    assert d["pages_written"] == 7 and d["not_worth_loading_pages"] == 0
+
+
 def test_sweep_writes_points_and_plot(tmp_path: Path) -> None:
     rows = [mooncake(float(i), [i % 5, 10 + i % 5, 20 + i % 3]) for i in range(30)]
     trace = write(tmp_path / "t.jsonl", rows)
