@@ -323,15 +323,18 @@ class MooncakeStore:
         return buf
 
     def _registered(self, c: _Client, page: Any) -> int:
-        """The address of a host page, registered with the client on first use (pages are pool slots: a bounded
-        set of addresses, each registered once)."""
+        """The address of a host page, registered with the client on first use. A page of a tensor registers the
+        tensor's whole storage, once: the host pool is one buffer, so one registration covers every page. Other
+        buffers register page by page (a bounded set of addresses: pool slots)."""
         ptr = _address_of(page)
-        if ptr not in c.registered:
+        storage = page.untyped_storage() if hasattr(page, "untyped_storage") else None
+        base, size = (storage.data_ptr(), storage.nbytes()) if storage is not None else (ptr, self.page_bytes)
+        if base not in c.registered:
             with c.lock:
-                if ptr not in c.registered:
-                    if c.store.register_buffer(ptr, self.page_bytes) != 0:
-                        raise OSError(f"registering host page {ptr:#x} failed")
-                    c.registered.add(ptr)
+                if base not in c.registered:
+                    if c.store.register_buffer(base, size) != 0:
+                        raise OSError(f"registering {size} bytes of host memory at {base:#x} failed")
+                    c.registered.add(base)
         return ptr
 
     def _run(self, fn: Callable[[], Any], timeout_s: float | None = None,

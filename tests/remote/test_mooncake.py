@@ -10,11 +10,7 @@ on Debian, libibverbs1 / libnl-3-200 / libnl-route-3-200); without it that test 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
-import os
-import socket
-import subprocess
 import threading
 import time
 
@@ -220,50 +216,17 @@ def test_a_master_that_stops_answering_mid_run_costs_one_timeout_and_takes_the_t
     assert b.contains(ks) == [False, False] and b.state == "down" and "health check 2" in b.stats()["reason"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _master_binary() -> str | None:
-    if importlib.util.find_spec("mooncake") is None:
-        return None
-    spec = importlib.util.find_spec("mooncake")
-    for folder in spec.submodule_search_locations or []:
-        path = os.path.join(folder, "mooncake_master")
-        if os.path.isfile(path):
-            return path
-    return None
-
-
 def test_two_servers_share_pages_through_a_real_mooncake_master_which_may_die_and_come_back(tmp_path):
-    binary = _master_binary()
-    if binary is None:
+    from hicache.mooncake_local import LocalMaster, find_master
+
+    if find_master() is None:
         pytest.skip("the mooncake extra is not installed (pip install 'hicache[mooncake]'): opt-in test")
     try:
         import mooncake.store  # noqa: F401 - loads the native client (needs libibverbs1 and libnl-3 on Debian)
     except ImportError as e:
         pytest.skip(f"the Mooncake client does not load here: {e}")
-    os.chmod(binary, 0o755)
-    rpc, http = _free_port(), _free_port()
-    args = [binary, "--rpc_port", str(rpc), "--rpc_address", "127.0.0.1", "--enable_http_metadata_server=true",
-            "--http_metadata_server_host", "127.0.0.1", "--http_metadata_server_port", str(http)]
-
-    def start() -> subprocess.Popen:
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "master.log", "ab"))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
-                return proc
-            except OSError:
-                time.sleep(0.05)
-        proc.kill()
-        raise RuntimeError("mooncake_master did not start")
-
-    master = start()
-    url = f"mooncake://127.0.0.1:{rpc}?metadata=http://127.0.0.1:{http}/metadata&segment_mib=64&buffer_mib=16"
+    master = LocalMaster(str(tmp_path / "master.log")).start()
+    url = master.url(segment_mib=64, buffer_mib=16)
     a = b = None
     try:
         a = MooncakeStore(url, NS_A, PAGE, timeout_s=8.0, retry_min_s=0.2, retry_max_s=0.5)
@@ -274,12 +237,11 @@ def test_two_servers_share_pages_through_a_real_mooncake_master_which_may_die_an
         assert b.contains(ks) == [True] * 8
         assert b.read_pages(ks, list(dst)) == [True] * 8 and np.array_equal(src, dst)
         assert b.read_pages(keys(1, 9999), list(dst[:1])) == [False] and b.stats()["vanished"] == 1
-        master.kill()
-        master.wait(10)
-        start_t = time.monotonic()
+        master.stop()
+        start = time.monotonic()
         assert b.read_pages(ks, list(dst)) == [False] * 8
-        assert time.monotonic() - start_t < 9.0 and b.state == "down"
-        master = start()
+        assert time.monotonic() - start < 9.0 and b.state == "down"
+        master.start()
         deadline = time.monotonic() + 30
         while b.write_pages(keys(1, 800), list(src[:1])) != [True] and time.monotonic() < deadline:
             time.sleep(0.3)
@@ -288,5 +250,4 @@ def test_two_servers_share_pages_through_a_real_mooncake_master_which_may_die_an
         for s in (a, b):
             if s is not None:
                 s.close()
-        master.kill()
-        master.wait(10)
+        master.stop()
