@@ -27,9 +27,7 @@ one when it is back.
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,15 +36,11 @@ from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 
-from tiers.l3.admission import admission_policy
-from tiers.l3.format import KEY_BYTES, NAMESPACE_BYTES
-from tiers.remote import COUNTERS, HEADER_BYTES, RemoteError, _host_view, header_matches, value_header
-
-logger = logging.getLogger(__name__)
+from tiers.l3.format import KEY_BYTES
+from tiers.remote import HEADER_BYTES, RemoteError, SharedStore, _host_view, header_matches, value_header
 
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND: the key is not (or no longer) in the cluster
 RPC_FAILED = -900  # Mooncake's RPC_FAIL: the master cannot be reached
-BATCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -110,9 +104,9 @@ class _Client:
         self.local = threading.local()
 
 
-class MooncakeStore:
-    """Pages in a Mooncake Store cluster under this cache's namespace; thread-safe. The interface of
-    `tiers.remote.RemoteStore`: contains, read_pages, write_pages(_detailed), delete, note_hit, stats, state."""
+class MooncakeStore(SharedStore):
+    """Pages in a Mooncake Store cluster under this cache's namespace; thread-safe. The Valkey store's interface
+    and bookkeeping (`tiers.remote.SharedStore`), over Mooncake's client."""
 
     def __init__(self, url: str, namespace: bytes, page_bytes: int, key_prefix: str = "hicache",
                  timeout_s: float = 2.0, batch_pages: int = 128, admission_hits: int = 0,
@@ -120,8 +114,7 @@ class MooncakeStore:
                  **_redis_only: Any) -> None:
         """client_factory: makes an unset-up client (default: mooncake.store.MooncakeDistributedStore); the
         Valkey tier's credentials and connect timeout (`_redis_only`) do not apply."""
-        if len(namespace) != NAMESPACE_BYTES:
-            raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes")
+        super().__init__(namespace, page_bytes, batch_pages, admission_hits, retry_min_s, retry_max_s)
         if client_factory is None:
             try:
                 from mooncake.store import MooncakeDistributedStore as client_factory
@@ -130,30 +123,15 @@ class MooncakeStore:
                                      f"(pip install 'hicache[mooncake]'): {e}") from e
         self._factory: Callable[[], Any] = client_factory
         self.address = MooncakeAddress.parse(url)
-        self.namespace = namespace
-        self.page_bytes = page_bytes
         self.timeout_s = timeout_s
-        self.batch_pages = max(1, min(batch_pages, BATCH_BYTES // max(1, page_bytes + HEADER_BYTES)))
-        self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
         self._prefix = f"{key_prefix}:{namespace.hex()}:"
-        self._admission = admission_policy(admission_hits)
-        self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._client: _Client | None = None
         # (thread, buffer) of calls given up while still running: the buffer lives until the thread ends
         self._abandoned: list[tuple[threading.Thread, Any]] = []
-        self._state, self._why = "ok", ""
-        self._retry_at, self._backoff = 0.0, retry_min_s
-        self._closed = False
         if self._connect() is None:
-            logger.error("remote tier %s unavailable at startup (%s): serving without it, retrying in %.1f s",
-                         self.address, self._why, self._backoff)
+            self._report_startup()
 
     # ---- public API ----
-
-    @property
-    def state(self) -> str:
-        return self._state
 
     def key(self, key: bytes) -> str:
         return self._prefix + key.hex()
@@ -171,35 +149,6 @@ class MooncakeStore:
             self._counters["probe_hits"] += sum(found)
         return found
 
-    def note_hit(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            self._admission.note(keys)
-
-    def read_pages(self, keys: Sequence[bytes], out: Sequence[Any]) -> list[bool]:
-        """Read each key's page into its buffer; True where the value was there and verified."""
-        results = [False] * len(keys)
-        for start in range(0, len(keys), self.batch_pages):
-            self._read_batch(keys, out, start, min(len(keys), start + self.batch_pages), results)
-        return results
-
-    def write_pages(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
-        return self.write_pages_detailed(keys, pages)[0]
-
-    def write_pages_detailed(self, keys: Sequence[bytes],
-                             pages: Sequence[Any]) -> tuple[list[bool], list[str | None]]:
-        """Store pages; per page True, or the reason it was refused: "not_admitted", "remote_down" or "failed"."""
-        with self._lock:
-            admitted = self._admission.admit(list(keys))
-        results = [False] * len(keys)
-        reasons: list[str | None] = ["not_admitted" if not ok else None for ok in admitted]
-        todo = [i for i, ok in enumerate(admitted) if ok]
-        for start in range(0, len(todo), self.batch_pages):
-            self._write_batch(keys, pages, todo[start:start + self.batch_pages], results, reasons)
-        with self._lock:
-            self._admission.forget([keys[i] for i in todo if results[i]])
-            self._counters["not_admitted"] += admitted.count(False)
-        return results, reasons
-
     def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         """Remove keys from the cluster (other servers lose them too), leases or not."""
         if not keys:
@@ -209,11 +158,6 @@ class MooncakeStore:
         with self._lock:
             self._counters["deletes"] += gone
         return gone
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {"url": str(self.address), "state": self._state, "reason": self._why,
-                    "page_bytes": self.page_bytes, **self._counters}
 
     def close(self) -> None:
         with self._lock:
@@ -256,18 +200,7 @@ class MooncakeStore:
                 outcomes["size"] += 1
             else:
                 outcomes["error"] += 1
-        with self._lock:
-            c = self._counters
-            c["reads"] += end - start
-            c["hits"] += outcomes["hit"]
-            c["read_bytes"] += outcomes["hit"] * self.page_bytes
-            c["vanished"] += outcomes["nil"]
-            c["misses"] += end - start - outcomes["hit"]
-            c["bad_values"] += outcomes["bad"] + outcomes["size"]
-            c["errors"] += outcomes["error"]
-        if outcomes["bad"] + outcomes["size"]:
-            logger.error("remote tier %s: %d values failed verification (wrong header, size or checksum): served "
-                         "as misses", self.address, outcomes["bad"] + outcomes["size"])
+        self._count_reads(end - start, outcomes)
 
     def _write_batch(self, keys, pages, batch: list[int], results: list[bool], reasons: list[str | None]) -> None:
         if not batch:
@@ -303,11 +236,7 @@ class MooncakeStore:
                 results[i] = True
             else:
                 reasons[i] = "remote_down" if r == RPC_FAILED else "failed"
-        with self._lock:
-            ok = sum(results[i] for i in batch)
-            self._counters["writes"] += ok
-            self._counters["write_bytes"] += ok * self.page_bytes
-            self._counters["write_refused"] += len(batch) - ok
+        self._count_writes(batch, results)
 
     def _buffer(self, c: _Client, name: str, nbytes: int) -> np.ndarray:
         """The calling thread's registered buffer `name` ("staging" for reads, "headers" for writes), of at least
@@ -396,7 +325,7 @@ class MooncakeStore:
         with self._lock:
             if self._client is not None:
                 return self._client
-            if self._closed or (self._state != "ok" and time.monotonic() < self._retry_at):
+            if self._waiting_to_retry():
                 return None
         a = self.address
 
@@ -409,26 +338,13 @@ class MooncakeStore:
 
         done, value = self._run(setup)
         if not done:
-            self._fail(f"setup: {value}")
+            self._fail("down", f"setup: {value}")
             return None
         client = _Client(value)
         with self._lock:
-            if self._state != "ok":
-                logger.warning("remote tier %s is back", self.address)
-                self._counters["reconnects"] += 1
-            self._state, self._why, self._backoff = "ok", "", self.retry_min_s
+            self._mark_up()
             self._client = client
         return client
-
-    def _fail(self, why: str) -> None:
-        with self._lock:
-            first = self._state == "ok" or self._why != why
-            self._state, self._why = "down", why
-            self._retry_at = time.monotonic() + self._backoff
-            wait, self._backoff = self._backoff, min(self.retry_max_s, self._backoff * 2)
-        if first:
-            logger.error("remote tier %s is unreachable (%s): serving without it; retrying in %.1f s (backoff up "
-                         "to %.0f s)", self.address, why, wait, self.retry_max_s)
 
     def _down(self, client: _Client, why: str) -> None:
         """A call failed: forget the client (a call may still be stuck in it: it is not closed) and back off."""
@@ -436,4 +352,4 @@ class MooncakeStore:
             if self._client is client:
                 self._client = None
             self._counters["errors"] += 1
-        self._fail(why)
+        self._fail("down", why)

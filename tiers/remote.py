@@ -228,58 +228,33 @@ def _host_view(page: Any) -> memoryview:
     return memoryview(page).cast("B")
 
 
-class RemoteStore:
-    """Pages in a Valkey/Redis server under this cache's namespace; thread-safe (one connection per thread)."""
+class SharedStore:
+    """What the shared tier's stores have in common (Valkey/Redis: `RemoteStore`; Mooncake:
+    `tiers.mooncake.MooncakeStore`): the namespace, the admission rule, the counters, the state with its retry
+    backoff, and reads and writes cut into batches. A store provides `address`, `_read_batch`, `_write_batch`,
+    `contains`, `delete` and `close`, and its own connections; it logs under its own module's logger."""
 
-    def __init__(self, url: str, namespace: bytes, page_bytes: int, username: str | None = None,
-                 password: str | None = None, key_prefix: str = "hicache", timeout_s: float = 2.0,
-                 connect_timeout_s: float = 1.0, batch_pages: int = 128, admission_hits: int = 0,
-                 retry_min_s: float = 0.5, retry_max_s: float = 30.0) -> None:
+    def __init__(self, namespace: bytes, page_bytes: int, batch_pages: int, admission_hits: int,
+                 retry_min_s: float, retry_max_s: float) -> None:
         if len(namespace) != NAMESPACE_BYTES:
             raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes")
-        self.address = RemoteAddress.parse(url, username, password)
         self.namespace = namespace
         self.page_bytes = page_bytes
-        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.batch_pages = max(1, min(batch_pages, BATCH_BYTES // max(1, page_bytes + HEADER_BYTES)))
         self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
-        self._prefix = f"{key_prefix}:{namespace.hex()}:".encode()
         self._admission = admission_policy(admission_hits)
-        self._local = threading.local()
         self._lock = threading.Lock()
-        self._connections: list[_Connection] = []
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._state = "ok"
         self._why = ""
         self._retry_at = 0.0
         self._backoff = retry_min_s
-        self._generation = 0  # bumped when the store goes down: connections of an older generation are dropped
         self._closed = False
-        if self._connection() is None:
-            logger.error("remote tier %s unavailable at startup (%s): serving without it, retrying in %.1f s",
-                         self.address, self._why, self._backoff)
-
-    # ---- public API ----
+        self._log = logging.getLogger(type(self).__module__)
 
     @property
     def state(self) -> str:
         return self._state
-
-    def key(self, key: bytes) -> bytes:
-        return self._prefix + key.hex().encode()
-
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is in the server now (pipelined EXISTS); all False while the store is down."""
-        if not keys:
-            return []
-        replies = self._pipeline([_Connection.command(b"EXISTS", self.key(k)) for k in keys], len(keys))
-        if replies is None:
-            return [False] * len(keys)
-        found = [r == 1 for r in replies]
-        with self._lock:
-            self._counters["probes"] += len(keys)
-            self._counters["probe_hits"] += sum(found)
-        return found
 
     def note_hit(self, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -311,6 +286,107 @@ class RemoteStore:
             self._counters["not_admitted"] += admitted.count(False)
         return results, reasons
 
+    def stats(self) -> dict:
+        with self._lock:
+            return {"url": str(self.address), "state": self._state, "reason": self._why,
+                    "page_bytes": self.page_bytes, **self._counters}
+
+    # ---- for the stores ----
+
+    def _read_batch(self, keys, out, start: int, end: int, results: list[bool]) -> None:
+        raise NotImplementedError
+
+    def _write_batch(self, keys, pages, batch: list[int], results: list[bool], reasons: list[str | None]) -> None:
+        raise NotImplementedError
+
+    def _count_reads(self, pages: int, outcomes: Counter[str]) -> None:
+        """Count a batch's reads by outcome: "hit" (verified), "nil" (the key was gone), "bad" / "size" (a value that
+        failed verification: logged), "error"."""
+        with self._lock:
+            c = self._counters
+            c["reads"] += pages
+            c["hits"] += outcomes["hit"]
+            c["read_bytes"] += outcomes["hit"] * self.page_bytes
+            c["vanished"] += outcomes["nil"]
+            c["misses"] += pages - outcomes["hit"]
+            c["bad_values"] += outcomes["bad"] + outcomes["size"]
+            c["errors"] += outcomes["error"]
+        if outcomes["bad"] + outcomes["size"]:
+            self._log.error("remote tier %s: %d values failed verification (wrong header, size or checksum): "
+                            "served as misses", self.address, outcomes["bad"] + outcomes["size"])
+
+    def _count_writes(self, batch: list[int], results: list[bool], full: int = 0) -> None:
+        with self._lock:
+            ok = sum(results[i] for i in batch)
+            self._counters["writes"] += ok
+            self._counters["write_bytes"] += ok * self.page_bytes
+            self._counters["full"] += full
+            self._counters["write_refused"] += len(batch) - ok
+
+    def _waiting_to_retry(self) -> bool:
+        """Closed, or down with its next try not due yet (call with the lock held)."""
+        return self._closed or (self._state != "ok" and time.monotonic() < self._retry_at)
+
+    def _mark_up(self) -> None:
+        """A connection worked: back to "ok" (logged once, counted, when the store was down; lock held)."""
+        if self._state != "ok":
+            self._log.warning("remote tier %s is back", self.address)
+            self._counters["reconnects"] += 1
+        self._state, self._why, self._backoff = "ok", "", self.retry_min_s
+
+    def _report_startup(self) -> None:
+        self._log.error("remote tier %s unavailable at startup (%s): serving without it, retrying in %.1f s",
+                        self.address, self._why, self._backoff)
+
+    def _fail(self, state: str, why: str) -> None:
+        """The store is `state` ("down", "auth_failed") for `why`: answer at once until the backoff has passed."""
+        with self._lock:
+            first = self._state == "ok" or self._why != why
+            self._state, self._why = state, why
+            self._retry_at = time.monotonic() + self._backoff
+            wait, self._backoff = self._backoff, min(self.retry_max_s, self._backoff * 2)
+        if first:
+            self._log.error("remote tier %s %s (%s): serving without it; retrying in %.1f s (backoff up to %.0f s)",
+                            self.address,
+                            "refused the credentials" if state == "auth_failed" else "is unreachable",
+                            why, wait, self.retry_max_s)
+
+
+class RemoteStore(SharedStore):
+    """Pages in a Valkey/Redis server under this cache's namespace; thread-safe (one connection per thread)."""
+
+    def __init__(self, url: str, namespace: bytes, page_bytes: int, username: str | None = None,
+                 password: str | None = None, key_prefix: str = "hicache", timeout_s: float = 2.0,
+                 connect_timeout_s: float = 1.0, batch_pages: int = 128, admission_hits: int = 0,
+                 retry_min_s: float = 0.5, retry_max_s: float = 30.0) -> None:
+        super().__init__(namespace, page_bytes, batch_pages, admission_hits, retry_min_s, retry_max_s)
+        self.address = RemoteAddress.parse(url, username, password)
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self._prefix = f"{key_prefix}:{namespace.hex()}:".encode()
+        self._local = threading.local()
+        self._connections: list[_Connection] = []
+        self._generation = 0  # bumped when the store goes down: connections of an older generation are dropped
+        if self._connection() is None:
+            self._report_startup()
+
+    # ---- public API ----
+
+    def key(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is in the server now (pipelined EXISTS); all False while the store is down."""
+        if not keys:
+            return []
+        replies = self._pipeline([_Connection.command(b"EXISTS", self.key(k)) for k in keys], len(keys))
+        if replies is None:
+            return [False] * len(keys)
+        found = [r == 1 for r in replies]
+        with self._lock:
+            self._counters["probes"] += len(keys)
+            self._counters["probe_hits"] += sum(found)
+        return found
+
     def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         """Remove keys from the server (other servers lose them too): for pages this server knows are bad or
         were written only to be measured."""
@@ -321,11 +397,6 @@ class RemoteStore:
         with self._lock:
             self._counters["deletes"] += gone
         return gone
-
-    def stats(self) -> dict:
-        with self._lock:
-            return {"url": str(self.address), "state": self._state, "reason": self._why,
-                    "page_bytes": self.page_bytes, **self._counters}
 
     def close(self) -> None:
         with self._lock:
@@ -355,18 +426,7 @@ class RemoteStore:
         except (OSError, ValueError) as e:
             self._down(conn, f"read: {e}")
             return
-        with self._lock:
-            c = self._counters
-            c["reads"] += end - start
-            c["hits"] += outcomes["hit"]
-            c["read_bytes"] += outcomes["hit"] * self.page_bytes
-            c["vanished"] += outcomes["nil"]
-            c["misses"] += end - start - outcomes["hit"]
-            c["bad_values"] += outcomes["bad"] + outcomes["size"]
-            c["errors"] += outcomes["error"]
-        if outcomes["bad"] + outcomes["size"]:
-            logger.error("remote tier %s: %d values failed verification (wrong header, size or checksum): served "
-                         "as misses", self.address, outcomes["bad"] + outcomes["size"])
+        self._count_reads(end - start, outcomes)
 
     def _verify(self, key: bytes, header: memoryview, page: memoryview) -> bool:
         return header_matches(self.namespace, key, header, page, self.page_bytes)
@@ -411,12 +471,7 @@ class RemoteStore:
                 full += 1
             else:
                 reasons[i] = "failed"
-        with self._lock:
-            ok = sum(results[i] for i in batch)
-            self._counters["writes"] += ok
-            self._counters["write_bytes"] += ok * self.page_bytes
-            self._counters["full"] += full
-            self._counters["write_refused"] += len(batch) - ok
+        self._count_writes(batch, results, full)
 
     def _pipeline(self, commands: list[list[bytes]], count: int) -> list[Any] | None:
         conn = self._connection()
@@ -439,7 +494,7 @@ class RemoteStore:
             conn.close()
             local.conn = None
         with self._lock:
-            if self._closed or (self._state != "ok" and time.monotonic() < self._retry_at):
+            if self._waiting_to_retry():
                 return None
             generation = self._generation
         try:
@@ -454,10 +509,7 @@ class RemoteStore:
             self._fail("down", str(e) or type(e).__name__)
             return None
         with self._lock:
-            if self._state != "ok":
-                logger.warning("remote tier %s is back", self.address)
-                self._counters["reconnects"] += 1
-            self._state, self._why, self._backoff = "ok", "", self.retry_min_s
+            self._mark_up()
             self._connections.append(conn)
         local.conn, local.generation = conn, generation
         return conn
@@ -476,17 +528,6 @@ class RemoteStore:
             r = conn.reply()
             if isinstance(r, ReplyError):
                 raise r
-
-    def _fail(self, state: str, why: str) -> None:
-        with self._lock:
-            first = self._state == "ok" or self._why != why
-            self._state, self._why = state, why
-            self._retry_at = time.monotonic() + self._backoff
-            wait, self._backoff = self._backoff, min(self.retry_max_s, self._backoff * 2)
-        if first:
-            logger.error("remote tier %s %s (%s): serving without it; retrying in %.1f s (backoff up to %.0f s)",
-                         self.address, "refused the credentials" if state == "auth_failed" else "is unreachable",
-                         why, wait, self.retry_max_s)
 
     def _down(self, conn: _Connection, why: str) -> None:
         conn.close()
