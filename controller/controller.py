@@ -41,6 +41,9 @@ from tiers.copy import LaunchLater
 
 logger = logging.getLogger(__name__)
 
+# weight of each new prompt in `typical_prompt_pages` (about the last 20 requests count)
+PROMPT_AVERAGE_WEIGHT = 0.05
+
 
 class TierController:
     """Moves pages between a GPU pool, an optional host pool and an optional L3 store; see the module doc.
@@ -93,6 +96,8 @@ class TierController:
         # a hold that stopped short is not asked again until one has happened (see `prefetch`)
         self.host_room_version = 0
         self._disk_paid: bool | None = None  # the last answer of `_disk_writes_pay`, to log its changes
+        # prompt length in pages, a moving average over requests: the depth the L3 write gate judges loads at
+        self.typical_prompt_pages: float | None = None
         # the disk bandwidth the model started with (calibrated at startup, or configured): see `_disk_writes_pay`
         self._disk_bw_start = self.loads.cost.disk_to_device_bytes_per_s
         if policy.l3_only_if_loads_pay:
@@ -103,16 +108,20 @@ class TierController:
 
         The L3 is judged at the better of its starting bandwidth and the one measured since: a congested spell
         that drags the estimate down must not stop the writes for good (with nothing new written, and loads
-        refused, no read would ever raise the estimate again)."""
+        refused, no read would ever raise the estimate again). It is judged on a prefix as long as the prompts
+        served (`typical_prompt_pages`): recomputing a page costs more the deeper it sits, so a store can pay
+        for long prompts and not for short ones."""
         cost = self.loads.cost
         bw = max(cost.disk_to_device_bytes_per_s or 0.0, self._disk_bw_start or 0.0) or None
-        pays = cost.mode != "auto" or cost.loads_pay(DISK, bw)
+        depth = max(1, round(self.typical_prompt_pages or 1))
+        pays = cost.mode != "auto" or cost.loads_pay(DISK, bw, depth)
         if pays != self._disk_paid:
             if not pays:
-                logger.warning("L3 writes paused: loading a page from it (%.2f ms at %.2f GB/s) costs more than "
-                               "recomputing it (%.2f ms), so nothing written would be read back "
-                               "(cache.write_policy.l3_only_if_loads_pay)", 1e3 * cost.page_bytes / (bw or 1.0),
-                               (bw or 0.0) / 1e9, 1e3 * cost.compute_seconds())
+                logger.warning("L3 writes paused: loading a %d-page prompt's pages from it (%.2f ms a page at "
+                               "%.3g GB/s) costs more than recomputing them (%.2f ms a page on average), so nothing "
+                               "written would be read back (cache.write_policy.l3_only_if_loads_pay)", depth,
+                               1e3 * cost.page_bytes / (bw or 1.0), (bw or 0.0) / 1e9,
+                               1e3 * cost.compute_seconds(0, depth) / depth)
             elif self._disk_paid is not None:
                 logger.info("L3 writes resumed: loading a page from it pays again")
             self._disk_paid = pays
@@ -178,6 +187,9 @@ class TierController:
         m = self.match(tokens)
         if replaces is None:
             self.stats.prompt_tokens += len(tokens)
+            pages = len(tokens) / self.page_size
+            avg = self.typical_prompt_pages
+            self.typical_prompt_pages = pages if avg is None else avg + PROMPT_AVERAGE_WEIGHT * (pages - avg)
         else:
             for tier, pages in replaces.hit_pages.items():
                 self.stats.hit_tokens[tier] -= pages * self.page_size

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -27,6 +29,11 @@ class CostModel:
     the prefix length that minimises estimated time (loading page i saves compute_i - load_i).
     Unknown bandwidths or prefill speed (None) count as loading being free.
 
+    Recomputing a page costs more the deeper it sits in the prompt: each of its tokens attends to every
+    token before it. A token at position t costs 1 / prefill_tokens_per_s + t * attention_seconds_per_pair
+    (0: every position alike). With an 8B model on an H200 that doubles a token's cost by ~30k tokens of
+    context, so a store too slow to pay at the start of a prompt can pay deep in it.
+
     With `overlap` (mode "auto", costs known) `plan` may also split the prefix three ways: compute
     some pages on the GPU while later ones load, so that both finish together (see `plan`).
     """
@@ -37,6 +44,7 @@ class CostModel:
     prefill_tokens_per_s: float | None = None
     host_to_device_bytes_per_s: float | None = None
     disk_to_device_bytes_per_s: float | None = None
+    attention_seconds_per_pair: float = 0.0  # prefill seconds per (token, earlier token) pair: see above
     adaptive: bool = True  # update the disk bandwidth from measured reads (off when it was configured)
     overlap: bool = False  # allow plans that compute a gap while the pages after it load
 
@@ -46,21 +54,36 @@ class CostModel:
         bw = self.host_to_device_bytes_per_s if tier == HOST else self.disk_to_device_bytes_per_s
         return 0.0 if not bw else self.page_bytes / bw
 
-    def loads_pay(self, tier: str, bytes_per_s: float | None = None) -> bool:
-        """Whether a page of `tier` can ever be loaded under this model: always in mode "always", never in "never",
-        and in "auto" where loading a page costs less than recomputing it (unknown costs count as paying).
-        `bytes_per_s`: judge the tier at this bandwidth instead of the model's own."""
+    def loads_pay(self, tier: str, bytes_per_s: float | None = None, depth_pages: int = 1) -> bool:
+        """Whether pages of `tier` would be loaded under this model: always in mode "always", never in "never", and in
+        "auto" where the plan for a prefix of `depth_pages` pages, all on `tier`, loads any of them (unknown costs
+        count as paying). `bytes_per_s`: judge the tier at this bandwidth instead of the model's own."""
         if self.mode != "auto":
             return self.mode == "always"
-        load = self.load_seconds(tier)
+        if tier == DEVICE:
+            return True
+        model = self
         if bytes_per_s:
-            load = self.page_bytes / bytes_per_s if tier != DEVICE else 0.0
-        return load < self.compute_seconds()
+            field = "host_to_device_bytes_per_s" if tier == HOST else "disk_to_device_bytes_per_s"
+            model = dataclasses.replace(self, **{field: bytes_per_s})
+        if not model.load_seconds(tier) or not self.prefill_tokens_per_s:
+            return True
+        runs = [(tier, max(1, depth_pages))]
+        k, s, n = model.plan(runs)
+        return k + (n - s) > 0
 
-    def compute_seconds(self) -> float:
+    def compute_seconds(self, start: int = 0, end: int | None = None) -> float:
+        """Seconds to recompute pages [start, end) of a prompt (end: start + 1), their attention to earlier tokens
+        included."""
         if not self.prefill_tokens_per_s:
             return float("inf")
-        return self.page_size / self.prefill_tokens_per_s
+        end = start + 1 if end is None else end
+        return self._computed_by(end) - self._computed_by(start)
+
+    def _computed_by(self, page: int) -> float:
+        """Seconds to compute pages [0, page) of a prompt: t / speed + pairs * attention, for its t tokens."""
+        t = page * self.page_size
+        return t / self.prefill_tokens_per_s + self.attention_seconds_per_pair * t * (t - 1) / 2
 
     def pages_to_load(self, page_tiers: Sequence[tuple[str, int]]) -> int:
         """Number of leading matched pages to use, given (fastest tier, page count) runs in order."""
@@ -74,10 +97,9 @@ class CostModel:
                     break
                 used += n
             return used
-        compute = self.compute_seconds()
         best, best_saving, saving, used = 0, 0.0, 0.0, 0
         for tier, n in page_tiers:
-            saving += n * (compute - self.load_seconds(tier))
+            saving += self.compute_seconds(used, used + n) - n * self.load_seconds(tier)
             used += n
             if saving >= best_saving:  # ties favour loading more (it also warms the GPU tier)
                 best, best_saving = used, saving
@@ -149,30 +171,48 @@ class CostModel:
         return host, disk
 
     def _finish(self, host: list[float], disk: list[float], total: int, k: int, s: int, n: int) -> float:
-        compute = self.compute_seconds()
         prefix = max(host[k], disk[k])  # [0, k) loaded
-        gap = prefix + (s - k) * compute  # [k, s) computed after it
+        gap = prefix + self.compute_seconds(k, s)  # [k, s) computed after it
         tail = max(host[k] + host[n] - host[s], disk[k] + disk[n] - disk[s])  # [s, n) loads queue behind [0, k)
-        return max(gap, tail) + (total - n) * compute
+        return max(gap, tail) + self.compute_seconds(n, total)
 
     def _balance(self, host: list[float], disk: list[float], k: int, n: int) -> int:
         """The least s in [k, n] where computing [k, s) takes at least as long as loading [s, n)."""
-        compute = self.compute_seconds()
         prefix = max(host[k], disk[k])
 
         def gap_done_first(s: int) -> bool:  # False for small s, True from the balance point on
             tail = max(host[k] + host[n] - host[s], disk[k] + disk[n] - disk[s])
-            return prefix + (s - k) * compute >= tail
+            return prefix + self.compute_seconds(k, s) >= tail
 
         return bisect.bisect_left(range(k, n + 1), True, key=gap_done_first) + k
+
+    def pays_from_token(self, tier: str) -> int | None:
+        """The first prompt position (a page boundary) from which loading a page of `tier` costs less than
+        recomputing it; None if no position does. 0 where costs are unknown."""
+        load = self.load_seconds(tier)
+        if not load or not self.prefill_tokens_per_s:
+            return 0
+        if load < self.compute_seconds():
+            return 0
+        per_page = self.compute_seconds(1) - self.compute_seconds(0)  # what each page deeper adds
+        if per_page <= 0:
+            return None
+        page = math.ceil((load - self.compute_seconds()) / per_page)
+        while page > 0 and load < self.compute_seconds(page - 1):  # float rounding: the least such page
+            page -= 1
+        while not load < self.compute_seconds(page):
+            page += 1
+        return page * self.page_size
 
     def describe(self) -> dict[str, object]:
         return {
             "mode": self.mode,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "attention_ns_per_pair": self.attention_seconds_per_pair * 1e9,
             "host_to_device_gbps": (self.host_to_device_bytes_per_s or 0) / 1e9,
             "disk_to_device_gbps": (self.disk_to_device_bytes_per_s or 0) / 1e9,
             "load_disk_page": self.load_seconds(DISK) < self.compute_seconds(),
+            "disk_pays_from_token": self.pays_from_token(DISK),
             "adaptive": self.adaptive,
             "overlap": self.overlap,
         }

@@ -74,7 +74,7 @@ class Loads:
             pages += node.num_pages
             load = self.transfers.disk_load(node)
             if load is not None and not node.on_host:
-                tier = HOST if load.eta - now <= pages * self.cost.compute_seconds() else DISK
+                tier = HOST if load.eta - now <= self.cost.compute_seconds(0, pages) else DISK
             usable.append(node)
             runs.append((tier, node.num_pages))
         return usable, runs

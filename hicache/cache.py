@@ -66,9 +66,12 @@ def write_policy(cfg: Config) -> WritePolicy:
                        wp.l3_only_if_loads_pay)
 
 
-def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None = None) -> CostModel:
+def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None = None,
+               attention_seconds_per_pair: float | None = None) -> CostModel:
+    """The load-or-recompute model: configured costs, else the calibrated ones given (attention: 0 if neither)."""
     lp = cfg.cache.load_policy
     gbps = lambda v: None if v is None else v * 1e9  # noqa: E731
+    pair = lp.attention_ns_per_pair * 1e-9 if lp.attention_ns_per_pair is not None else attention_seconds_per_pair
     return CostModel(
         layout.page_size,
         layout.page_bytes,
@@ -76,6 +79,7 @@ def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None
         lp.prefill_tokens_per_s or prefill_tokens_per_s,
         gbps(lp.host_to_device_gbps),
         gbps(lp.disk_to_device_gbps),
+        attention_seconds_per_pair=pair or 0.0,
         adaptive=lp.disk_to_device_gbps is None,
         overlap=lp.overlap,
     )
@@ -202,6 +206,7 @@ def build_cache(
     device: torch.device | str,
     namespace: dict | None = None,
     prefill_tokens_per_s: float | None = None,
+    attention_seconds_per_pair: float | None = None,
     wrap_ports: Callable[[RankTiers], Ports] | None = None,
 ) -> CacheStack:
     """Create the pools, the L3 store (when configured) and the controller for one model rank. `wrap_ports`: the
@@ -211,8 +216,8 @@ def build_cache(
     sizes, ns = tiers.sizes, tiers.namespace
     tree = RadixTree(cfg.cache.page_size, ns, cfg.cache.eviction_policy)
     device_pool, host_pool, l3 = tiers.device, tiers.host, tiers.l3
-    cost = calibrate_bandwidths(cost_model(cfg, layout, prefill_tokens_per_s), cfg, device_pool, host_pool,
-                                tiers.copier, l3)
+    cost = cost_model(cfg, layout, prefill_tokens_per_s, attention_seconds_per_pair)
+    cost = calibrate_bandwidths(cost, cfg, device_pool, host_pool, tiers.copier, l3)
     copier, ports_l3, worker = wrap_ports(tiers) if wrap_ports is not None else (tiers.copier, l3, tiers.worker)
     sched = cfg.scheduler
     controller = TierController(

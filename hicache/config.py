@@ -119,6 +119,9 @@ class LoadPolicyConfig:
 
     mode: Literal["auto", "always", "never"] = "auto"
     prefill_tokens_per_s: float | None = None  # None: calibrate at startup
+    # prefill nanoseconds per (token, earlier token) pair: a token deep in a prompt costs more to recompute, as it
+    # attends to every token before it (CostModel). None: calibrated with the prefill speed (0 if that is set here)
+    attention_ns_per_pair: float | None = None
     host_to_device_gbps: float | None = None
     disk_to_device_gbps: float | None = None
     # mode auto: compute the first pages of a prefix dearer to load while its last pages load (off: one cut)
@@ -297,6 +300,7 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
                           f"got {c.write_policy.defer_above_free}")
     for name in ("prefill_tokens_per_s", "host_to_device_gbps", "disk_to_device_gbps"):
         _positive(getattr(c.load_policy, name), f"cache.load_policy.{name}", source)
+    _positive(c.load_policy.attention_ns_per_pair, "cache.load_policy.attention_ns_per_pair", source, allow_zero=True)
     if c.load_policy.overlap and c.load_policy.mode != "auto":
         raise ConfigError(f"{source}: cache.load_policy.overlap: needs mode auto, got mode {c.load_policy.mode!r}")
     s = cfg.scheduler

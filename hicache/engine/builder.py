@@ -21,21 +21,24 @@ from tiers import KVLayout
 logger = logging.getLogger(__name__)
 
 
-def scratch_prefill(model: Any, page_size: int, n: int) -> float:
+def scratch_prefill(model: Any, page_size: int, n: int, context: int = 0) -> float:
     """Seconds of one prefill of n tokens (seeded ids, so every tensor-parallel rank runs the same batch) into a
-    scratch KV pool."""
+    scratch KV pool; with `context`, a chunk of n tokens over a prefix of `context` tokens computed first (untimed)."""
     device = model.device
-    pages = -(-n // page_size)
+    pages = -(-(context + n) // page_size)
     kv = torch.zeros(model.kv_pool_shape(pages, page_size), dtype=model.dtype, device=device)
-    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-    batch = ForwardBatch(
-        input_ids=ids.to(device),
-        positions=torch.arange(n, device=device),
-        out_slots=torch.arange(n, device=device),
-        seq_lens=[n],
-        new_lens=[n],
-        page_tables=[torch.arange(pages, device=device)],
-    )
+    table = [torch.arange(pages, device=device)]
+    ids = torch.randint(0, model.config.vocab_size, (context + n,),
+                        generator=torch.Generator().manual_seed(context + n)).to(device)
+
+    def chunk(first: int, count: int) -> ForwardBatch:
+        positions = torch.arange(first, first + count, device=device)
+        return ForwardBatch(input_ids=ids[first:first + count], positions=positions, out_slots=positions,
+                            seq_lens=[first + count], new_lens=[count], page_tables=table)
+
+    if context:
+        model(chunk(0, context), kv, page_size)
+    batch = chunk(context, n)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -62,6 +65,36 @@ def calibrate_prefill(model: Any, page_size: int, budget_s: float = 0.5,
     warm = run(32)
     n = int(min(512, max(64, 32 * (budget_s / 2) / max(warm, 1e-6))))
     return n / run(n)
+
+
+def calibrate_attention(model: Any, page_size: int, chunk: int, context: int,
+                        run: Callable[[int, int], float] | None = None) -> float:
+    """Prefill seconds per (token, earlier token) pair (CostModel.attention_seconds_per_pair): a chunk of `chunk`
+    tokens timed over a prefix of `context` tokens against the same chunk with none (best of two each). Each of
+    the chunk's tokens attends to `context` more tokens, so the difference over chunk * context is the price of a
+    pair. `run(n, context)` times one chunk (default `scratch_prefill`). Never negative (timing noise)."""
+    if run is None:
+        run = lambda n, ctx: scratch_prefill(model, page_size, n, ctx)  # noqa: E731
+    alone = min(run(chunk, 0), run(chunk, 0))
+    deep = min(run(chunk, context), run(chunk, context))
+    return max(0.0, (deep - alone) / (chunk * context))
+
+
+def attention_probe_sizes(model: Any, page_size: int, speed: float, budget_s: float = 0.5,
+                          max_scratch_bytes: int = 4 << 30) -> tuple[int, int]:
+    """(chunk, context) tokens for `calibrate_attention`. On a GPU a serving-sized 2,048-token chunk over up to
+    14,336 tokens, capped so the scratch KV stays under `max_scratch_bytes`; elsewhere a chunk the prefill speed
+    runs in about budget_s / 8 over twice as many tokens of context. Both whole pages."""
+    c = model.config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    if model.device.type == "cuda":
+        chunk = 2048
+        context = min(14336, max_scratch_bytes // per_token - chunk)
+    else:
+        chunk = int(min(512, max(64, speed * budget_s / 8)))
+        context = 2 * chunk
+    page = lambda t: max(page_size, t // page_size * page_size)  # noqa: E731
+    return page(chunk), page(context)
 
 
 def warm_up_prefix_kernel(model: Any, page_size: int) -> float:
@@ -133,14 +166,23 @@ def build_engine(cfg: Config, model: Any = None, tokenizer: Any = None, calibrat
     layout = kv_layout(cfg, model, dtype)
     namespace = engine_namespace(cfg, model, dtype_name, layout)
     choose_kernels(cfg, model)
-    speed = None
+    speed = pair = None
     lp = cfg.cache.load_policy
-    if lp.prefill_tokens_per_s is None and lp.mode == "auto" and calibrate:
-        speed = calibrate_prefill(model, cfg.cache.page_size)
+    ps = cfg.cache.page_size
+    calibrating = lp.prefill_tokens_per_s is None and lp.mode == "auto" and calibrate
+    if calibrating:
+        speed = calibrate_prefill(model, ps)
         logger.info("calibrated prefill speed: %.0f tokens/s", speed)
-    if device.type == "cuda" and model.uses_prefill_kernel(cfg.cache.page_size):
-        seconds = warm_up_prefix_kernel(model, cfg.cache.page_size)
+    if device.type == "cuda" and model.uses_prefill_kernel(ps):
+        seconds = warm_up_prefix_kernel(model, ps)
         logger.info("prefix attention kernel warmed up in %.2f s%s", seconds,
-                    "" if model.uses_prefill_kernel(cfg.cache.page_size) else " (unavailable here: SDPA instead)")
-    cache = build_cache(cfg, layout, dtype_name, device, namespace, prefill_tokens_per_s=speed)
+                    "" if model.uses_prefill_kernel(ps) else " (unavailable here: SDPA instead)")
+    if calibrating and lp.attention_ns_per_pair is None:  # after the warm-up: the probe runs the prefix kernel
+        chunk, context = attention_probe_sizes(model, ps, speed)
+        pair = calibrate_attention(model, ps, chunk, context)
+        logger.info("calibrated attention cost: %.3f ns per token pair (%d-token chunk over %d tokens); a token "
+                    "at 32k tokens of context costs %.2fx one at the start", pair * 1e9, chunk, context,
+                    1 + 32768 * pair * speed)
+    cache = build_cache(cfg, layout, dtype_name, device, namespace, prefill_tokens_per_s=speed,
+                        attention_seconds_per_pair=pair)
     return Engine(model, tokenizer, cache, cfg.scheduler, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch)

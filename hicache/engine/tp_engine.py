@@ -24,6 +24,8 @@ import torch
 from hicache.cache import TORCH_DTYPES, RankTiers, build_cache
 from hicache.config import Config, ConfigError, SchedulerConfig
 from hicache.engine.builder import (
+    attention_probe_sizes,
+    calibrate_attention,
     calibrate_prefill,
     choose_kernels,
     engine_namespace,
@@ -181,15 +183,18 @@ def _build_leader(cfg: Config, group: RankGroup, device: torch.device, dtype_nam
             lockstep.reports_to(worker.receive, worker.awaiting)
         return copier, l3, worker
 
-    speed = None
+    speed = pair = None
     lp = cfg.cache.load_policy
-    if lp.prefill_tokens_per_s is None and lp.mode == "auto" and calibrate:
+    calibrating = lp.prefill_tokens_per_s is None and lp.mode == "auto" and calibrate
+    if calibrating:
         speed = _lockstep_calibration(cfg, model, lockstep, ps)
     if device.type == "cuda" and model.uses_prefill_kernel(ps):
         seconds = lockstep.exchange(forward=lambda: warm_up_prefix_kernel(model, ps), scratch=("warm_up_prefix",))
         logger.info("prefix attention kernel warmed up on every rank in %.2f s", seconds)
+    if calibrating and lp.attention_ns_per_pair is None:  # after the warm-up: the probe runs the prefix kernel
+        pair = _lockstep_attention(model, lockstep, ps, speed)
     cache = build_cache(cfg, layout, dtype_name, device, namespace, prefill_tokens_per_s=speed,
-                        wrap_ports=wrap_ports)
+                        attention_seconds_per_pair=pair, wrap_ports=wrap_ports)
     if device.type == "cuda" and cfg.model.cuda_graph_max_batch:
         logger.info("decode CUDA graphs off: under tensor parallelism every rank runs its forward eagerly")
     logger.info("tensor parallel: %d ranks, %d KV heads a rank; rank 0 plans every step", size,
@@ -206,3 +211,16 @@ def _lockstep_calibration(cfg: Config, model: Any, lockstep: Lockstep, page_size
     speed = calibrate_prefill(model, page_size, run=run)
     logger.info("calibrated prefill speed over %d ranks: %.0f tokens/s", cfg.model.tp_size, speed)
     return speed
+
+
+def _lockstep_attention(model: Any, lockstep: Lockstep, page_size: int, speed: float) -> float:
+    """The attention cost per token pair of the whole group (calibrate_attention, each chunk on every rank)."""
+
+    def run(n: int, context: int) -> float:
+        return lockstep.exchange(forward=lambda: scratch_prefill(model, page_size, n, context),
+                                 scratch=("prefill", n, context))
+
+    chunk, context = attention_probe_sizes(model, page_size, speed)
+    pair = calibrate_attention(model, page_size, chunk, context, run=run)
+    logger.info("calibrated attention cost over the ranks: %.3f ns per token pair", pair * 1e9)
+    return pair

@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="use every cached block (always, default), or let the cost model decide (auto)")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (default: from the config's model)")
     p.add_argument("--prefill-tokens-per-s", type=float, help="prefill speed for the time-saved estimate")
+    p.add_argument("--attention-ns-per-pair", type=float,
+                   help="load mode auto: prefill ns per (token, earlier token) pair, so deep blocks cost more to "
+                        "recompute (cache.load_policy.attention_ns_per_pair; default: the config's, else 0)")
     p.add_argument("--host-to-device-gbps", type=float, help="host -> GPU bandwidth, GB/s")
     p.add_argument("--disk-to-device-gbps", type=float, help="disk -> GPU bandwidth, GB/s")
     p.add_argument("--bandwidth-window-ms", type=float, default=1000.0,
@@ -106,6 +109,8 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
     if tokens.get("disk") is not None:
         l3 = dataclasses.replace(cache.l3, path=cache.l3.path or "<replay>", size_tokens=tokens["disk"], size_gib=None)
         cache = dataclasses.replace(cache, l3=l3)
+    if args.attention_ns_per_pair is not None and not args.attention_ns_per_pair >= 0:
+        raise ReplayError(f"--attention-ns-per-pair must be >= 0, got {args.attention_ns_per_pair}")
     for tier, n in tokens.items():
         if n is not None and n < 0:
             raise ReplayError(f"{tier} capacity must be >= 0 tokens, got {n}")
@@ -130,6 +135,8 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
         args.admission_hits,
         args.load_mode, args.prefill_tokens_per_s or lp.prefill_tokens_per_s,
         gbps(args.host_to_device_gbps, lp.host_to_device_gbps), gbps(args.disk_to_device_gbps, lp.disk_to_device_gbps),
+        attention_seconds_per_pair=1e-9 * (args.attention_ns_per_pair if args.attention_ns_per_pair is not None
+                                           else lp.attention_ns_per_pair or 0.0),
     )
 
 

@@ -49,6 +49,7 @@ class ReplaySetup:
     prefill_tokens_per_s: float | None = None  # for load_mode "auto"
     host_to_device_bytes_per_s: float | None = None
     disk_to_device_bytes_per_s: float | None = None
+    attention_seconds_per_pair: float = 0.0  # CostModel: deeper blocks cost more to recompute
 
     def check(self) -> None:
         """Raise ReplayError for sizes the controller cannot run."""
@@ -123,7 +124,8 @@ class Replayer:
         # not adaptive: the server follows the disk's measured speed, but here a "read" is a metadata call whose
         # time says nothing about a disk, and decisions that followed it would differ from run to run
         cost = CostModel(setup.block_tokens, setup.block_bytes, setup.load_mode, setup.prefill_tokens_per_s,
-                         setup.host_to_device_bytes_per_s, setup.disk_to_device_bytes_per_s, adaptive=False)
+                         setup.host_to_device_bytes_per_s, setup.disk_to_device_bytes_per_s,
+                         attention_seconds_per_pair=setup.attention_seconds_per_pair, adaptive=False)
         self.controller = _ReplayController(tree, device, host, self.store, None, setup.write_policy, cost,
                                             worker, setup.disk_blocks or None)
         self.totals = ReplayTotals()

@@ -108,8 +108,26 @@ class CacheCollector:
         yield GaugeMetricFamily("hicache_l3_write_waiting_pages", "Pages in host memory whose L3 write waits for room "
                                 "in the write queue", value=cache.get("l3_write_waiting_pages", 0))
         yield from self._tiers(s.get("tiers", {}))
+        yield from self._cost(s.get("cost_model", {}))
         yield from self._l3()
         yield from self._scheduler(s)
+
+    def _cost(self, cost: dict[str, Any]) -> Iterator[Metric]:
+        """The load-or-recompute model's inputs as the planner sees them now (the disk's follows measured reads)."""
+        yield GaugeMetricFamily("hicache_cost_prefill_tokens_per_second", "Prefill speed the cost model prices "
+                                "recompute at (a token at the start of a prompt; 0: unknown)",
+                                value=cost.get("prefill_tokens_per_s") or 0)
+        yield GaugeMetricFamily("hicache_cost_attention_ns_per_pair", "Prefill nanoseconds per (token, earlier token) "
+                                "pair: what each token of context adds to a token's recompute cost",
+                                value=cost.get("attention_ns_per_pair") or 0)
+        bandwidth = GaugeMetricFamily("hicache_cost_load_gbps", "Load bandwidth to the GPU the cost model uses, per "
+                                      "tier (0: unknown, counted as free)", labels=["tier"])
+        bandwidth.add_metric([HOST], cost.get("host_to_device_gbps") or 0)
+        bandwidth.add_metric([DISK], cost.get("disk_to_device_gbps") or 0)
+        yield bandwidth
+        first = cost.get("disk_pays_from_token", 0)
+        yield GaugeMetricFamily("hicache_cost_disk_pays_from_token", "The first prompt position from which loading "
+                                "a disk page beats recomputing it (-1: none)", value=-1 if first is None else first)
 
     def _tiers(self, tiers: dict[str, dict[str, int]]) -> Iterator[Metric]:
         families = {

@@ -99,6 +99,26 @@ def test_a_disk_slower_than_recomputing_gets_no_writes_and_the_summary_says_why(
     assert d["pages_written"] == 7 and d["not_worth_loading_pages"] == 0
 
 
+def test_replay_prices_deep_blocks_dearer_with_an_attention_cost(tmp_path: Path) -> None:
+    """A disk that loads a 4-token block in 6 us against 4 us to recompute it at the start of a prompt: no writes
+    with a flat cost; with 1 us per token pair the prompts' blocks cost more than they load, so the disk fills and
+    serves hits."""
+    rows = [mooncake(i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6], [1, 2, 3, 7], [4, 5, 6]])]
+    trace = write(tmp_path / "t.jsonl", rows)
+    base = ["replay", trace, "--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20",
+            "--disk-tokens", "32", "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100",
+            "--load-mode", "auto", "--prefill-tokens-per-s", "1e6", "--host-to-device-gbps", "100",
+            "--disk-to-device-gbps", str(400 / 6e-6 / 1e9), "--no-progress"]
+    flat, deep = tmp_path / "flat.json", tmp_path / "deep.json"
+    assert main([*base, "--json", str(flat)]) == 0
+    s = json.loads(flat.read_text())
+    assert s["disk"]["pages_written"] == 0 and s["hit_blocks"]["disk"] == 0
+    assert main([*base, "--attention-ns-per-pair", "1000", "--json", str(deep)]) == 0
+    s = json.loads(deep.read_text())
+    assert s["disk"]["pages_written"] == 7 and s["hit_blocks"]["disk"] == 3
+    assert main([*base, "--attention-ns-per-pair", "-1"]) == 2
+
+
 def test_sweep_writes_points_and_plot(tmp_path: Path) -> None:
     rows = [mooncake(float(i), [i % 5, 10 + i % 5, 20 + i % 3]) for i in range(30)]
     trace = write(tmp_path / "t.jsonl", rows)
