@@ -30,6 +30,10 @@ SOURCE = r"""
 #include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 typedef void *(*create_fn)(void);
@@ -92,6 +96,62 @@ int hicache_read_hashed(int fd, char *buf, size_t len, int64_t offset, size_t pi
 int hicache_write_hashed(int fd, char *buf, size_t len, int64_t offset, size_t piece, uint64_t *digest) {
     return move_hashed(fd, buf, len, offset, piece, 1, digest);
 }
+
+/* 1 if the file lives in memory (tmpfs, ramfs, hugetlbfs: its pages are the page cache), 0 if not, -errno. */
+int hicache_in_memory_fs(int fd) {
+    struct statfs s;
+    if (fstatfs(fd, &s)) return -errno;
+    return s.f_type == 0x01021994 || s.f_type == 0x858458f6 || s.f_type == 0x958458f6;
+}
+
+int hicache_map(int fd, size_t len, int writable, void **out) {
+    void *p = mmap(NULL, len, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return -errno;
+    *out = p;
+    return 0;
+}
+
+int hicache_unmap(void *p, size_t len) {
+    return munmap(p, len) ? -errno : 0;
+}
+
+/* Copy len bytes between buf and a shared mapping of the file (`mapped` bytes long) at offset, `piece` bytes at a
+   time, hashing each piece while it is in the core's cache: a read hashes the piece it copied into buf, a write the
+   piece of buf it is about to copy. The file's size is checked first: touching a mapping past the end of its file
+   raises SIGBUS, so a slab cut short gives -ENODATA instead. */
+static int copy_mapped(char *base, size_t mapped, int fd, char *buf, size_t len, int64_t offset, size_t piece,
+                       int write, uint64_t *digest) {
+    struct stat st;
+    if (fstat(fd, &st)) return -errno;
+    if (offset < 0 || (uint64_t)offset + len > mapped || (uint64_t)offset + len > (uint64_t)st.st_size)
+        return -ENODATA;
+    void *state = h_create();
+    if (!state) return -ENOMEM;
+    h_reset(state);
+    for (size_t done = 0; done < len; done += piece) {
+        size_t n = len - done < piece ? len - done : piece;
+        if (write) {
+            h_update(state, buf + done, n);
+            memcpy(base + offset + done, buf + done, n);
+        } else {
+            memcpy(buf + done, base + offset + done, n);
+            h_update(state, buf + done, n);
+        }
+    }
+    *digest = h_digest(state);
+    h_free(state);
+    return 0;
+}
+
+int hicache_read_mapped(char *base, size_t mapped, int fd, char *buf, size_t len, int64_t offset, size_t piece,
+                        uint64_t *digest) {
+    return copy_mapped(base, mapped, fd, buf, len, offset, piece, 0, digest);
+}
+
+int hicache_write_mapped(char *base, size_t mapped, int fd, char *buf, size_t len, int64_t offset, size_t piece,
+                         uint64_t *digest) {
+    return copy_mapped(base, mapped, fd, buf, len, offset, piece, 1, digest);
+}
 """
 
 
@@ -107,6 +167,15 @@ class NativePageIO:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
         self._read, self._write = lib.hicache_read_hashed, lib.hicache_write_hashed
+        lib.hicache_in_memory_fs.argtypes, lib.hicache_in_memory_fs.restype = (ctypes.c_int,), ctypes.c_int
+        lib.hicache_map.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+        lib.hicache_map.restype = ctypes.c_int
+        lib.hicache_unmap.argtypes, lib.hicache_unmap.restype = (ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+        for name in ("hicache_read_mapped", "hicache_write_mapped"):
+            fn = getattr(lib, name)
+            fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                           ctypes.c_int64, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64))
+            fn.restype = ctypes.c_int
 
     @staticmethod
     def _check(rc: int, what: str) -> None:
@@ -124,6 +193,47 @@ class NativePageIO:
         digest = ctypes.c_uint64()
         self._check(self._write(fd, address, length, offset, piece, ctypes.byref(digest)), "L3 write")
         return digest.value
+
+    def in_memory(self, fd: int) -> bool:
+        """Whether the file of `fd` lives in memory (tmpfs, ramfs, hugetlbfs); False where that cannot be told."""
+        return self.lib.hicache_in_memory_fs(fd) == 1
+
+    def map(self, fd: int, length: int, writable: bool) -> MappedFile:
+        """A shared mapping of the file's first `length` bytes (`fd` open for writing if `writable`); OSError if the
+        kernel refuses it."""
+        address = ctypes.c_void_p()
+        self._check(self.lib.hicache_map(fd, length, int(writable), ctypes.byref(address)), "L3 slab mapping")
+        return MappedFile(self, address.value, length, fd, writable)
+
+
+class MappedFile:
+    """A shared mapping of a slab that lives in memory: `read` copies a page out of it and `write` into it, each
+    hashing the page in the same C call (no system call per piece, the interpreter lock released). The file's own
+    size is checked on every call, so a slab cut short gives an error, never SIGBUS."""
+
+    def __init__(self, io: NativePageIO, address: int, length: int, fd: int, writable: bool) -> None:
+        self.io, self.address, self.length, self.fd, self.writable = io, address, length, fd, writable
+
+    def _copy(self, fn, what: str, address: int, length: int, offset: int, piece: int) -> int:
+        if not self.address:
+            raise OSError(errno.EBADF, f"{what}: the slab mapping is closed")
+        digest = ctypes.c_uint64()
+        self.io._check(fn(self.address, self.length, self.fd, address, length, offset, piece, ctypes.byref(digest)),
+                       what)
+        return digest.value
+
+    def read(self, address: int, length: int, offset: int, piece: int) -> int:
+        return self._copy(self.io.lib.hicache_read_mapped, "L3 read", address, length, offset, piece)
+
+    def write(self, address: int, length: int, offset: int, piece: int) -> int:
+        if not self.writable:
+            raise OSError(errno.EBADF, "L3 write: the slab mapping is read-only")
+        return self._copy(self.io.lib.hicache_write_mapped, "L3 write", address, length, offset, piece)
+
+    def close(self) -> None:
+        if self.address:
+            self.io.lib.hicache_unmap(self.address, self.length)
+            self.address = 0
 
 
 @functools.cache

@@ -143,7 +143,9 @@ class L3Store:
         if use_kvikio:
             self._io = KvikioSlotIO(self._slab, self.page_bytes, io_threads)
         else:
-            self._io = PosixSlotIO(self._slab, self.page_bytes, io_threads, max_io_bytes)
+            # "auto": a slab in memory (tmpfs) is read from a mapping; "posix" and "buffered" always pread
+            self._io = PosixSlotIO(self._slab, self.page_bytes, io_threads, max_io_bytes,
+                                   map_reads=None if io_backend == "auto" else False)
         self._header = self._slab.header
         self._io_name = self._io.name
         log.info("%s: L3 store open, %d/%d pages, io_backend=%s, state=%s", self.path, len(self._entries),
@@ -232,7 +234,8 @@ class L3Store:
 
     @property
     def io_backend(self) -> str:
-        """The data path in use: "kvikio", "posix" (O_DIRECT) or "buffered"."""
+        """The data path in use: "kvikio", "posix" (O_DIRECT), "buffered", or "mapped" (a slab in memory, read from a
+        mapping of it)."""
         return self._io_name
 
     def used_pages(self) -> int:

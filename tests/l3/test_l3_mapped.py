@@ -1,0 +1,142 @@
+"""A slab that lives in memory is read and written through a shared mapping (tiers/l3/io.py, PosixSlotIO with
+`map_reads`): the same digests and bytes as the pread path, and errors, not SIGBUS, for a slab cut short."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+from l3_helpers import NAMESPACE, content, empty, key
+from test_l3_faults import native_loop_or_skip
+
+from tiers.l3 import native
+from tiers.l3.format import bound_checksum, checksum
+from tiers.l3.io import PosixSlotIO
+from tiers.l3.store import L3Store
+
+PAGE = 3 * 2**18 + 4096  # not a whole number of pieces, and a slot padded past the page
+
+
+@pytest.fixture
+def loop():
+    return native_loop_or_skip(native)
+
+
+def mapped_store(path, pages: int = 8, page_bytes: int = PAGE) -> L3Store:
+    """A store on any file system whose slab moves through a mapping, as one on tmpfs does."""
+    store = L3Store(path, pages * (page_bytes + 8192), page_bytes, NAMESPACE, io_backend="buffered")
+    plain, store._io = store._io, PosixSlotIO(store._slab, page_bytes, 2, 16 << 20, map_reads=True)
+    plain.close()
+    return store
+
+
+def test_pages_round_trip_through_the_mapping_with_the_pread_paths_digests(loop, tmp_path):
+    store = mapped_store(tmp_path / "s")
+    assert store._io.name == "mapped" and store._io.mapped.writable  # the slab is allocated: writes map too
+    keys = [key(i) for i in range(5)]
+    pages = [content(k, PAGE) for k in keys]
+    assert store.write_pages(keys, pages) == [True] * 5
+    slots = [store._entries[k].slot for k in keys]
+    assert [store._entries[k].checksum for k in keys] == [
+        bound_checksum(NAMESPACE, k, checksum(memoryview(p.numpy()))) for k, p in zip(keys, pages)]
+    out = empty(PAGE, 5)
+    assert store.read_pages(keys, out) == [True] * 5
+    assert all(torch.equal(a, b) for a, b in zip(pages, out))
+    # the bytes are in the file where pread finds them: the plain path reads what the mapping wrote
+    plain = PosixSlotIO(store._slab, PAGE, 2, 16 << 20, map_reads=False)
+    again = empty(PAGE, 5)
+    results = plain.read(slots, again)
+    plain.close()
+    assert [r.digest for r in results] == [checksum(memoryview(p.numpy())) for p in pages]
+    assert all(torch.equal(a, b) for a, b in zip(pages, again))
+    store.close()
+
+
+def test_a_corrupted_byte_is_a_miss(loop, tmp_path):
+    store = mapped_store(tmp_path / "s")
+    assert store.write_pages([key(1)], [content(key(1), PAGE)]) == [True]
+    offset = store._slab.header.slot_offset(store._entries[key(1)].slot) + 1000
+    fd = os.open(store._slab.path, os.O_RDWR)
+    os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0x40]), offset)
+    os.close(fd)
+    assert store.read_pages([key(1)], empty(PAGE)) == [False]
+    assert store.stats()["checksum_failures"] == 1
+    store.close()
+
+
+def test_a_slab_cut_short_gives_a_named_error_not_sigbus(loop, tmp_path):
+    io_path = tmp_path / "s"
+    store = mapped_store(io_path, pages=4)
+    keys = [key(i) for i in range(4)]
+    assert store.write_pages(keys, [content(k, PAGE) for k in keys]) == [True] * 4
+    slots = {k: store._entries[k].slot for k in keys}
+    last = max(keys, key=slots.get)
+    os.truncate(store._slab.path, store._slab.header.slot_offset(slots[last]) + 4096)  # inside the last slot
+    results = store._io.read([slots[last]], empty(PAGE))
+    assert isinstance(results[0].error, OSError) and results[0].error.errno == errno.ENODATA
+    assert "short read" in str(results[0].error)
+    results = store._io.write([slots[last]], [content(last, PAGE)])  # writing there would fault too
+    assert results[0].error is not None and results[0].error.errno == errno.ENODATA
+    first = min(keys, key=slots.get)
+    assert store.read_pages([first], out := empty(PAGE)) == [True]  # slots still inside the file read as ever
+    assert torch.equal(out[0], content(first, PAGE))
+    store.close()
+
+
+def test_a_sparse_slab_is_written_by_pwrite_and_read_through_the_mapping(loop, tmp_path):
+    path = tmp_path / "sparse"
+    size = 16 * 4096
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)  # no blocks: a write fault on a full tmpfs would raise SIGBUS
+    try:
+        mapping = loop.map(fd, size, writable=os.fstat(fd).st_blocks * 512 >= size)
+        assert not mapping.writable
+        with pytest.raises(OSError, match="read-only"):
+            mapping.write(0, 4096, 0, 4096)
+        page = np.frombuffer(os.urandom(8192), dtype=np.uint8).copy()
+        os.pwrite(fd, page.tobytes(), 4096)
+        back = np.zeros_like(page)
+        assert mapping.read(back.ctypes.data, 8192, 4096, 4096) == checksum(memoryview(page))
+        assert np.array_equal(back, page)
+        with pytest.raises(OSError) as e:
+            mapping.read(back.ctypes.data, 8192, size - 4096, 4096)  # past the end of the mapping
+        assert e.value.errno == errno.ENODATA
+        mapping.close()
+        with pytest.raises(OSError, match="closed"):
+            mapping.read(back.ctypes.data, 8192, 0, 4096)
+    finally:
+        os.close(fd)
+
+
+def test_forced_mapping_without_the_native_loop_is_refused(tmp_path, monkeypatch):
+    store = L3Store(tmp_path / "s", 4 * (PAGE + 8192), PAGE, NAMESPACE, io_backend="buffered")
+    monkeypatch.setattr(native, "load", lambda: None)
+    with pytest.raises(OSError, match="need the native page loop"):
+        PosixSlotIO(store._slab, PAGE, 2, 16 << 20, map_reads=True)
+    store.close()
+
+
+def _memory_dir() -> str | None:
+    """/dev/shm where it is a tmpfs (the kernel's view, not its name)."""
+    try:
+        with open("/proc/mounts") as mounts:
+            return "/dev/shm" if any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts) else None
+    except OSError:
+        return None
+
+
+@pytest.mark.skipif(_memory_dir() is None, reason="no tmpfs at /dev/shm on this machine")
+def test_auto_maps_a_slab_on_tmpfs_and_posix_does_not(loop):
+    import tempfile
+
+    for backend, want in (("auto", "mapped"), ("posix", ("posix", "buffered"))):
+        with tempfile.TemporaryDirectory(dir=_memory_dir()) as directory:
+            with L3Store(directory, 4 * (PAGE + 8192), PAGE, NAMESPACE, io_backend=backend) as store:
+                assert store.io_backend in want
+                assert store.stats()["io_backend"] == store.io_backend
+                assert store.write_pages([key(3)], [content(key(3), PAGE)]) == [True]
+                assert store.read_pages([key(3)], out := empty(PAGE)) == [True]
+                assert torch.equal(out[0], content(key(3), PAGE))
