@@ -177,13 +177,7 @@ class PosixSlotIO:
 
     def _write_chunk(self, chunk: list[int], slots, pages, results: list[SlotResult]) -> None:
         if self._mappable(chunk, pages) and self.mapped.writable:
-            offset = self.slab.header.slot_offset
-            for i in chunk:
-                try:
-                    results[i].digest = self.mapped.write(pages[i].data_ptr(), self.page_bytes, offset(slots[i]),
-                                                          MAPPED_PIECE_BYTES)
-                except OSError as e:
-                    results[i] = SlotResult(error=e)
+            self._mapped_pages(self.mapped.write, chunk, slots, pages, results)
             return
         if self._fused(chunk, pages):
             self._write_fused(chunk, slots, pages, results)
@@ -207,12 +201,12 @@ class PosixSlotIO:
             for i in chunk:
                 results[i] = SlotResult(error=e)
 
-    def _read_mapped(self, chunk: list[int], slots, out, results: list[SlotResult]) -> None:
+    def _mapped_pages(self, move, chunk: list[int], slots, buffers, results: list[SlotResult]) -> None:
+        """Each page of the chunk copied to or from the mapping and hashed, one native call a page (`move`)."""
         offset = self.slab.header.slot_offset
         for i in chunk:
             try:
-                results[i].digest = self.mapped.read(out[i].data_ptr(), self.page_bytes, offset(slots[i]),
-                                                     MAPPED_PIECE_BYTES)
+                results[i].digest = move(buffers[i].data_ptr(), self.page_bytes, offset(slots[i]), MAPPED_PIECE_BYTES)
             except OSError as e:
                 results[i] = SlotResult(error=e)
 
@@ -224,7 +218,7 @@ class PosixSlotIO:
 
     def _read_chunk(self, chunk: list[int], slots, out, results: list[SlotResult]) -> None:
         if self._mappable(chunk, out):
-            self._read_mapped(chunk, slots, out, results)
+            self._mapped_pages(self.mapped.read, chunk, slots, out, results)
             return
         if self._fused(chunk, out):
             self._read_fused(chunk, slots, out, results)
