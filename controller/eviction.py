@@ -210,12 +210,19 @@ class Eviction:
                 handle.wait()
         self.device.free(pages)
 
-    def make_disk_room(self, n: int) -> bool:
-        """Evict L3 leaves until n more pages fit under the disk capacity."""
+    def make_disk_room(self, n: int, writing: TreeNode | None = None) -> bool:
+        """Evict L3 leaves until n more pages fit under the disk capacity. `writing`: the node the room is for; its
+        ancestors stay (an ancestor only on disk is an L3 leaf while the node is not written yet, and evicting it
+        would take the node, its prefix gone, out of the tree)."""
         if n > self.disk_capacity:
             return False
+        path: set[int] = set()
+        while writing is not None:
+            path.add(writing.id)
+            writing = writing.parent
+        skip = (lambda node: node.id in path) if path else None
         while (over := self.tree.pages_in[2] + self.disk_inflight + n - self.disk_capacity) > 0:
-            node = self.tree.pop_evictable(DISK)
+            node = self.tree.pop_evictable(DISK, skip)
             if node is None:
                 return False
             self.evict_node(DISK, self._tail(node, over))

@@ -381,7 +381,7 @@ class Writes:
         # before one page view (or, bouncing, one copy) per page is made, all for nothing
         if self.worker.queued_write_pages + n > self.worker.queue_pages:
             return "l3_queue_full"
-        if not self.eviction.make_disk_room(n):
+        if not self.eviction.make_disk_room(n, node):
             return "disk_full"
         if handle is not None and bounce:
             handle.wait()

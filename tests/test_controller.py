@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from memory_l3 import MemoryL3
 
@@ -930,6 +930,11 @@ def test_disk_needs_host():
         WritePolicy("write_through", "write_back", defer_above_free=0.0),
     ]),
 )
+# a host eviction writes its node back; room on the disk must not come from the node's disk-only parent (evicting
+# it took the node, its prefix gone, out of the tree in the middle of its write)
+@example(ops=[(1, 1, 0, False), (2, 1, 0, False), (0, 1, 0, False), (4, 2, 0, False), (2, 2, 0, False),
+              (1, 1, 0, False), (4, 2, 0, True), (0, 1, 0, False)],
+         sizes=(3, 3, 4), policy=WritePolicy("write_back", "write_back"))
 def test_property_against_reference(ops, sizes, policy):
     """Random requests (shared prefixes via a small base alphabet, branching suffixes) against a
     reference of what was ever computed: hits are only ever of committed prefixes, with unlimited
