@@ -136,28 +136,14 @@ class MooncakeStore(SharedStore):
     def key(self, key: bytes) -> str:
         return self._prefix + key.hex()
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is in the cluster now; all False while the store is down."""
-        if not keys:
-            return []
+    def _probe(self, keys: Sequence[bytes]) -> list[bool] | None:
         replies = self._call("probe", lambda c: c.store.batch_is_exist([self.key(k) for k in keys]))
-        if replies is None:
-            return [False] * len(keys)
-        found = [r == 1 for r in replies]
-        with self._lock:
-            self._counters["probes"] += len(keys)
-            self._counters["probe_hits"] += sum(found)
-        return found
+        return None if replies is None else [r == 1 for r in replies]
 
-    def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
-        """Remove keys from the cluster (other servers lose them too), leases or not."""
-        if not keys:
-            return 0
+    def _remove(self, keys: Sequence[bytes]) -> int:
+        # leases or not: batch_remove's force flag
         replies = self._call("delete", lambda c: c.store.batch_remove([self.key(k) for k in keys], True))
-        gone = sum(r == 0 for r in replies) if replies else 0
-        with self._lock:
-            self._counters["deletes"] += gone
-        return gone
+        return sum(r == 0 for r in replies) if replies else 0
 
     def close(self) -> None:
         with self._lock:

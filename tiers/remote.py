@@ -231,8 +231,9 @@ def _host_view(page: Any) -> memoryview:
 class SharedStore:
     """What the shared tier's stores have in common (Valkey/Redis: `RemoteStore`; Mooncake:
     `tiers.mooncake.MooncakeStore`): the namespace, the admission rule, the counters, the state with its retry
-    backoff, and reads and writes cut into batches. A store provides `address`, `_read_batch`, `_write_batch`,
-    `contains`, `delete` and `close`, and its own connections; it logs under its own module's logger."""
+    backoff, reads and writes cut into batches, probes and deletes counted. A store provides `address`,
+    `_read_batch`, `_write_batch`, `_probe`, `_remove` and `close`, and its own connections; it logs under its own
+    module's logger."""
 
     def __init__(self, namespace: bytes, page_bytes: int, batch_pages: int, admission_hits: int,
                  retry_min_s: float, retry_max_s: float) -> None:
@@ -286,12 +287,42 @@ class SharedStore:
             self._counters["not_admitted"] += admitted.count(False)
         return results, reasons
 
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is in the store now; all False while the store is down."""
+        if not keys:
+            return []
+        found = self._probe(keys)
+        if found is None:
+            return [False] * len(keys)
+        with self._lock:
+            self._counters["probes"] += len(keys)
+            self._counters["probe_hits"] += sum(found)
+        return found
+
+    def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
+        """Remove keys from the store (other servers lose them too): for pages this server knows are bad or were
+        written only to be measured. Returns how many were there."""
+        if not keys:
+            return 0
+        gone = self._remove(keys)
+        with self._lock:
+            self._counters["deletes"] += gone
+        return gone
+
     def stats(self) -> dict:
         with self._lock:
             return {"url": str(self.address), "state": self._state, "reason": self._why,
                     "page_bytes": self.page_bytes, **self._counters}
 
     # ---- for the stores ----
+
+    def _probe(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Per key whether the store has it; None if the store could not be asked."""
+        raise NotImplementedError
+
+    def _remove(self, keys: Sequence[bytes]) -> int:
+        """Delete the keys; how many the store had (0 if it could not be asked)."""
+        raise NotImplementedError
 
     def _read_batch(self, keys, out, start: int, end: int, results: list[bool]) -> None:
         raise NotImplementedError
@@ -374,29 +405,13 @@ class RemoteStore(SharedStore):
     def key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is in the server now (pipelined EXISTS); all False while the store is down."""
-        if not keys:
-            return []
+    def _probe(self, keys: Sequence[bytes]) -> list[bool] | None:
         replies = self._pipeline([_Connection.command(b"EXISTS", self.key(k)) for k in keys], len(keys))
-        if replies is None:
-            return [False] * len(keys)
-        found = [r == 1 for r in replies]
-        with self._lock:
-            self._counters["probes"] += len(keys)
-            self._counters["probe_hits"] += sum(found)
-        return found
+        return None if replies is None else [r == 1 for r in replies]
 
-    def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
-        """Remove keys from the server (other servers lose them too): for pages this server knows are bad or
-        were written only to be measured."""
-        if not keys:
-            return 0
+    def _remove(self, keys: Sequence[bytes]) -> int:
         replies = self._pipeline([_Connection.command(b"DEL", self.key(k)) for k in keys], len(keys))
-        gone = sum(r for r in replies if isinstance(r, int)) if replies else 0
-        with self._lock:
-            self._counters["deletes"] += gone
-        return gone
+        return sum(r for r in replies if isinstance(r, int)) if replies else 0
 
     def close(self) -> None:
         with self._lock:
