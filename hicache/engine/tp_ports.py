@@ -50,17 +50,17 @@ class LockstepCopier:
         return getattr(self.copier, name)
 
     def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int], after: Any = None) -> Any:
-        handle = (self.copier.to_host(device_pages, host_pages) if after is None
-                  else self.copier.to_host(device_pages, host_pages, after=after))
-        if len(device_pages):
-            self.record(("to_host", list(device_pages), list(host_pages)))
-        return handle
+        return self._copy("to_host", device_pages, host_pages, after)
 
     def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int], after: Any = None) -> Any:
-        handle = (self.copier.to_device(host_pages, device_pages) if after is None
-                  else self.copier.to_device(host_pages, device_pages, after=after))
-        if len(host_pages):
-            self.record(("to_device", list(host_pages), list(device_pages)))
+        return self._copy("to_device", host_pages, device_pages, after)
+
+    def _copy(self, op: str, src: Sequence[int], dst: Sequence[int], after: Any) -> Any:
+        """The wrapped copier's `op` (`after` passed only when given, as copiers without it take none), recorded."""
+        copy = getattr(self.copier, op)
+        handle = copy(src, dst) if after is None else copy(src, dst, after=after)
+        if len(src):
+            self.record((op, list(src), list(dst)))
         return handle
 
     def fence(self) -> Any:
