@@ -155,6 +155,14 @@ int hicache_write_mapped(char *base, size_t mapped, int fd, char *buf, size_t le
 """
 
 
+def _check(rc: int, what: str) -> None:
+    """Raise the OSError a native call's -errno result names (0: success)."""
+    if rc:
+        code = -rc
+        message = "short read (slab truncated?)" if code == errno.ENODATA else os.strerror(code)
+        raise OSError(code, f"{what}: {message}")
+
+
 class NativePageIO:
     """The compiled loop: `read(fd, address, length, offset, piece)` and `write(...)` return the xxh3_64 of the
     bytes moved, or raise OSError."""
@@ -177,21 +185,14 @@ class NativePageIO:
                            ctypes.c_int64, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64))
             fn.restype = ctypes.c_int
 
-    @staticmethod
-    def _check(rc: int, what: str) -> None:
-        if rc:
-            code = -rc
-            message = "short read (slab truncated?)" if code == errno.ENODATA else os.strerror(code)
-            raise OSError(code, f"{what}: {message}")
-
     def read(self, fd: int, address: int, length: int, offset: int, piece: int) -> int:
         digest = ctypes.c_uint64()
-        self._check(self._read(fd, address, length, offset, piece, ctypes.byref(digest)), "L3 read")
+        _check(self._read(fd, address, length, offset, piece, ctypes.byref(digest)), "L3 read")
         return digest.value
 
     def write(self, fd: int, address: int, length: int, offset: int, piece: int) -> int:
         digest = ctypes.c_uint64()
-        self._check(self._write(fd, address, length, offset, piece, ctypes.byref(digest)), "L3 write")
+        _check(self._write(fd, address, length, offset, piece, ctypes.byref(digest)), "L3 write")
         return digest.value
 
     def in_memory(self, fd: int) -> bool:
@@ -202,7 +203,7 @@ class NativePageIO:
         """A shared mapping of the file's first `length` bytes (`fd` open for writing if `writable`); OSError if the
         kernel refuses it."""
         address = ctypes.c_void_p()
-        self._check(self.lib.hicache_map(fd, length, int(writable), ctypes.byref(address)), "L3 slab mapping")
+        _check(self.lib.hicache_map(fd, length, int(writable), ctypes.byref(address)), "L3 slab mapping")
         return MappedFile(self, address.value, length, fd, writable)
 
 
@@ -218,7 +219,7 @@ class MappedFile:
         if not self.address:
             raise OSError(errno.EBADF, f"{what}: the slab mapping is closed")
         digest = ctypes.c_uint64()
-        self.io._check(fn(self.address, self.length, self.fd, address, length, offset, piece, ctypes.byref(digest)),
+        _check(fn(self.address, self.length, self.fd, address, length, offset, piece, ctypes.byref(digest)),
                        what)
         return digest.value
 
