@@ -30,6 +30,8 @@ def mapped_store(path, pages: int = 8, page_bytes: int = PAGE) -> L3Store:
     store = L3Store(path, pages * (page_bytes + 8192), page_bytes, NAMESPACE, io_backend="buffered")
     plain, store._io = store._io, PosixSlotIO(store._slab, page_bytes, 2, 16 << 20, map_reads=True)
     plain.close()
+    store._io._populating.join(30)  # faulted in: every slot moves through the mapping
+    assert store._io.mapped.populated == store._io.mapped.length
     return store
 
 
@@ -53,6 +55,44 @@ def test_pages_round_trip_through_the_mapping_with_the_pread_paths_digests(loop,
     assert [r.digest for r in results] == [checksum(memoryview(p.numpy())) for p in pages]
     assert all(torch.equal(a, b) for a, b in zip(pages, again))
     store.close()
+
+
+def test_slots_past_the_faulted_in_mark_keep_pread_and_pwrite(loop, tmp_path, monkeypatch):
+    store = mapped_store(tmp_path / "s", pages=4)
+    io = store._io
+    calls = []
+    for name in ("read", "write"):
+        real = getattr(io.mapped, name)
+        monkeypatch.setattr(io.mapped, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    keys = [key(i) for i in range(4)]
+    io.mapped.populated = 0  # as while the thread is still at the start
+    assert store.write_pages(keys[:2], [content(k, PAGE) for k in keys[:2]]) == [True] * 2
+    assert store.read_pages(keys[:2], out := empty(PAGE, 2)) == [True] * 2 and calls == []
+    assert all(torch.equal(o, content(k, PAGE)) for o, k in zip(out, keys[:2]))
+    io.mapped.populated = io.mapped.length
+    assert store.write_pages(keys[2:], [content(k, PAGE) for k in keys[2:]]) == [True] * 2
+    assert store.read_pages(keys, out := empty(PAGE, 4)) == [True] * 4  # pread-written pages read mapped too
+    assert calls == ["write", "write", "read", "read", "read", "read"]
+    assert all(torch.equal(o, content(k, PAGE)) for o, k in zip(out, keys))
+    store.close()
+
+
+def test_populate_stops_at_close(loop, tmp_path):
+    path = tmp_path / "big"
+    size = 64 << 20
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mapping = loop.map(fd, size, writable=True)
+        mapping.stopped = True
+        mapping.populate(chunk=1 << 20)
+        assert mapping.populated == 0
+        mapping.stopped = False
+        mapping.populate(chunk=1 << 20)
+        assert mapping.populated == size
+        mapping.close()
+    finally:
+        os.close(fd)
 
 
 def test_a_corrupted_byte_is_a_miss(loop, tmp_path):

@@ -69,7 +69,8 @@ class PosixSlotIO:
     (`map_reads`; None: where the native loop is there and the file is in memory): each page is one copy and its
     hash, in one C call, with no system call per piece. The name is then "mapped". Writes go through the mapping
     only where every byte of the slab is allocated: a write fault on a hole of a full tmpfs raises SIGBUS, where
-    pwrite would return ENOSPC. On tmpfs the mapping's pages are the file's, so fsync has nothing more to do."""
+    pwrite would return ENOSPC. On tmpfs the mapping's pages are the file's, so fsync has nothing more to do. A thread
+    faults the mapping in from the start (`MappedFile.populate`); slots past its mark keep pread/pwrite until then."""
 
     def __init__(self, slab: SlabFile, page_bytes: int, io_threads: int, max_io_bytes: int,
                  map_reads: bool | None = None) -> None:
@@ -94,6 +95,9 @@ class PosixSlotIO:
             writable = not slab.read_only and st.st_size >= size and st.st_blocks * 512 >= size
             self.mapped = self.native.map(slab.meta_fd, size, writable)
             self.name = "mapped"
+            # faulted in from the start by a thread of its own; pages past its mark keep pread/pwrite meanwhile
+            self._populating = threading.Thread(target=self.mapped.populate, name="l3-map-populate", daemon=True)
+            self._populating.start()
 
     def _chunks(self, slots: Sequence[int]) -> list[list[int]]:
         """Item indices grouped into runs of consecutive slots, each at most one I/O long."""
@@ -176,7 +180,7 @@ class PosixSlotIO:
             results[i].digest = h.digest()
 
     def _write_chunk(self, chunk: list[int], slots, pages, results: list[SlotResult]) -> None:
-        if self._mappable(chunk, pages) and self.mapped.writable:
+        if self._mappable(chunk, slots, pages) and self.mapped.writable:
             self._mapped_pages(self.mapped.write, chunk, slots, pages, results)
             return
         if self._fused(chunk, pages):
@@ -210,14 +214,17 @@ class PosixSlotIO:
             except OSError as e:
                 results[i] = SlotResult(error=e)
 
-    def _mappable(self, chunk: list[int], out) -> bool:
-        """Whether every page of the chunk can be copied to or from the mapping: CPU memory, contiguous, page-sized."""
-        return self.mapped is not None and all(
-            out[i].device.type == "cpu" and out[i].is_contiguous()
-            and out[i].numel() * out[i].element_size() == self.page_bytes for i in chunk)
+    def _mappable(self, chunk: list[int], slots, out) -> bool:
+        """Whether every page of the chunk can be copied to or from the mapping: CPU memory, contiguous, page-sized,
+        and in the part of the mapping already faulted in."""
+        if self.mapped is None:
+            return False
+        mark, offset = self.mapped.populated - self.page_bytes, self.slab.header.slot_offset
+        return all(offset(slots[i]) <= mark and out[i].device.type == "cpu" and out[i].is_contiguous()
+                   and out[i].numel() * out[i].element_size() == self.page_bytes for i in chunk)
 
     def _read_chunk(self, chunk: list[int], slots, out, results: list[SlotResult]) -> None:
-        if self._mappable(chunk, out):
+        if self._mappable(chunk, slots, out):
             self._mapped_pages(self.mapped.read, chunk, slots, out, results)
             return
         if self._fused(chunk, out):
@@ -244,6 +251,8 @@ class PosixSlotIO:
     def close(self) -> None:
         self.pool.shutdown(wait=True)  # no read runs past this: the mapping can go
         if self.mapped is not None:
+            self.mapped.stopped = True
+            self._populating.join()
             self.mapped.close()
 
 

@@ -115,6 +115,22 @@ int hicache_unmap(void *p, size_t len) {
     return munmap(p, len) ? -errno : 0;
 }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* Fault len bytes of a mapping in ahead of use (page tables filled, for writing if `writable`), so the copies do not
+   take a fault per 4 KiB page. Kernels before 5.14 lack MADV_POPULATE_*: there every page is read once instead. */
+int hicache_populate(char *p, size_t len, int writable) {
+    if (madvise(p, len, writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0) return 0;
+    if (errno != EINVAL) return -errno;
+    volatile char sink = 0;
+    for (size_t at = 0; at < len; at += 4096) sink += p[at];
+    (void)sink;
+    return 0;
+}
+
 /* Copy len bytes between buf and a shared mapping of the file (`mapped` bytes long) at offset, `piece` bytes at a
    time, hashing each piece while it is in the core's cache: a read hashes the piece it copied into buf, a write the
    piece of buf it is about to copy. The file's size is checked first: touching a mapping past the end of its file
@@ -179,6 +195,8 @@ class NativePageIO:
         lib.hicache_map.argtypes = (ctypes.c_int, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
         lib.hicache_map.restype = ctypes.c_int
         lib.hicache_unmap.argtypes, lib.hicache_unmap.restype = (ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+        lib.hicache_populate.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        lib.hicache_populate.restype = ctypes.c_int
         for name in ("hicache_read_mapped", "hicache_write_mapped"):
             fn = getattr(lib, name)
             fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
@@ -210,10 +228,28 @@ class NativePageIO:
 class MappedFile:
     """A shared mapping of a slab that lives in memory: `read` copies a page out of it and `write` into it, each
     hashing the page in the same C call (no system call per piece, the interpreter lock released). The file's own
-    size is checked on every call, so a slab cut short gives an error, never SIGBUS."""
+    size is checked on every call, so a slab cut short gives an error, never SIGBUS.
+
+    A fresh mapping takes a fault per 4 KiB page on first touch (on the 2-core box first-touch copies ran at 1.4-5.7
+    GB/s against 11-17 once faulted). `populate` faults it in ahead, from the start: [0, `populated`) is done, and
+    callers copy through the mapping only below that mark."""
 
     def __init__(self, io: NativePageIO, address: int, length: int, fd: int, writable: bool) -> None:
         self.io, self.address, self.length, self.fd, self.writable = io, address, length, fd, writable
+        self.populated = 0
+        self.stopped = False  # set by close: a populate in progress ends after its current chunk
+
+    def populate(self, chunk: int = 64 << 20) -> None:
+        """Fault the mapping in, `chunk` bytes a call, advancing `populated`; stops early on close or an error
+        (logged: the pages past the mark then keep their other path)."""
+        while self.populated < self.length and not self.stopped:
+            n = min(chunk, self.length - self.populated)
+            rc = self.io.lib.hicache_populate(self.address + self.populated, n, int(self.writable))
+            if rc:
+                logger.warning("L3 slab mapping: faulting it in stopped at %d of %d bytes (%s); pages past that "
+                               "are read and written by pread/pwrite", self.populated, self.length, os.strerror(-rc))
+                return
+            self.populated += n
 
     def _copy(self, fn, what: str, address: int, length: int, offset: int, piece: int) -> int:
         if not self.address:
@@ -232,6 +268,7 @@ class MappedFile:
         return self._copy(self.io.lib.hicache_write_mapped, "L3 write", address, length, offset, piece)
 
     def close(self) -> None:
+        """Unmap; the caller first stops and joins any thread running `populate` (see `stopped`)."""
         if self.address:
             self.io.lib.hicache_unmap(self.address, self.length)
             self.address = 0
