@@ -98,6 +98,7 @@ class TierController:
         self._disk_paid: bool | None = None  # the last answer of `_disk_writes_pay`, to log its changes
         # prompt length in pages, a moving average over requests: the depth the L3 write gate judges loads at
         self.typical_prompt_pages: float | None = None
+        self._prompts_seen = 0
         # the disk bandwidth the model started with (calibrated at startup, or configured): see `_disk_writes_pay`
         self._disk_bw_start = self.loads.cost.disk_to_device_bytes_per_s
         if policy.l3_only_if_loads_pay:
@@ -188,8 +189,11 @@ class TierController:
         if replaces is None:
             self.stats.prompt_tokens += len(tokens)
             pages = len(tokens) / self.page_size
-            avg = self.typical_prompt_pages
-            self.typical_prompt_pages = pages if avg is None else avg + PROMPT_AVERAGE_WEIGHT * (pages - avg)
+            # the plain mean of the first 1/weight prompts, then a moving average: one short first request (a health
+            # probe) must not stand for the workload's prompts for the next dozens
+            self._prompts_seen += 1
+            avg, weight = self.typical_prompt_pages, max(PROMPT_AVERAGE_WEIGHT, 1 / self._prompts_seen)
+            self.typical_prompt_pages = pages if avg is None else avg + weight * (pages - avg)
         else:
             for tier, pages in replaces.hit_pages.items():
                 self.stats.hit_tokens[tier] -= pages * self.page_size

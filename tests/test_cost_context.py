@@ -87,6 +87,19 @@ def test_l3_writes_resume_once_the_prompts_are_long_enough_for_loads_to_pay(capl
     h.close()
 
 
+def test_typical_prompt_length_is_a_plain_mean_until_the_moving_average_takes_over():
+    h = Harness(device=64, host=64, disk=64)
+    h.run(seq(1, 1))  # a one-page probe first, then 8-page prompts
+    for b in range(2, 6):
+        h.run(seq(b, 8))
+    extra = 1 / LAYOUT.page_size  # seq() adds a token past the pages
+    assert h.ctrl.typical_prompt_pages == pytest.approx((1 + 4 * 8) / 5 + extra)
+    for b in range(6, 200):  # past 1/weight prompts the average forgets the probe
+        h.run(seq(b, 8))
+    assert h.ctrl.typical_prompt_pages == pytest.approx(8 + extra, abs=1e-2)
+    h.close()
+
+
 def test_calibrate_attention_recovers_the_pair_cost():
     a, b = 2e-5, 7e-10
 

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -93,6 +95,37 @@ def test_populate_stops_at_close(loop, tmp_path):
         mapping.close()
     finally:
         os.close(fd)
+
+
+def test_faulting_in_by_touch_changes_no_byte_while_another_thread_writes(loop, tmp_path):
+    """The fallback where the kernel refuses MADV_POPULATE_WRITE adds zero to a byte of every 4 KiB page, atomically:
+    bytes already there and bytes a copy writes meanwhile both survive it."""
+    path = tmp_path / "slab"
+    size = 16 << 20
+    before = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    path.write_bytes(before.tobytes())
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mapping = loop.map(fd, size, writable=True)
+        assert loop.lib.hicache_populate(mapping.address, 1 << 20, 1) in (0, 1)  # 0: the advice, 1: the touch
+        # the second half is rewritten by a copy while a touch walks the whole mapping
+        after = before.copy()
+        after[size // 2:] = 255 - before[size // 2:]
+        src = torch.from_numpy(after[size // 2:].copy())
+
+        def copy() -> None:
+            for at in range(0, size // 2, 1 << 16):
+                ctypes.memmove(mapping.address + size // 2 + at, src.data_ptr() + at, 1 << 16)
+
+        writer = threading.Thread(target=copy)
+        writer.start()
+        for _ in range(4):
+            loop.lib.hicache_touch(mapping.address, size, 1)
+        writer.join()
+        mapping.close()
+    finally:
+        os.close(fd)
+    assert np.array_equal(np.frombuffer(path.read_bytes(), dtype=np.uint8), after)
 
 
 def test_a_corrupted_byte_is_a_miss(loop, tmp_path):

@@ -120,20 +120,30 @@ int hicache_unmap(void *p, size_t len) {
 #define MADV_POPULATE_WRITE 23
 #endif
 
+/* Touch every 4 KiB page of a mapping once: a read, or for a writable one an atomic add of zero, which takes a write
+   fault (page tables filled writable) without changing a byte, even where another thread is copying into the page. */
+void hicache_touch(char *p, size_t len, int writable) {
+    volatile char sink = 0;
+    for (size_t at = 0; at < len; at += 4096) {
+        if (writable) __atomic_fetch_add(p + at, 0, __ATOMIC_RELAXED);
+        else sink += p[at];
+    }
+    (void)sink;
+}
+
 /* Fault len bytes of a mapping in ahead of use (page tables filled, for writing if `writable`), so the copies do not
-   take a fault per 4 KiB page. Kernels before 5.14 lack MADV_POPULATE_*: there every page is read once instead. */
+   take a fault per 4 KiB page: 0 by MADV_POPULATE_*, 1 by touching each page (kernels before 5.14 and sandboxes
+   that refuse the advice), or -errno. */
 int hicache_populate(char *p, size_t len, int writable) {
     if (madvise(p, len, writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0) return 0;
-    if (errno != EINVAL) return -errno;
-    volatile char sink = 0;
-    for (size_t at = 0; at < len; at += 4096) sink += p[at];
-    (void)sink;
-    return 0;
+    if (errno != EINVAL && errno != ENOSYS) return -errno;
+    hicache_touch(p, len, writable);
+    return 1;
 }
 
 /* Copy len bytes between buf and a shared mapping of the file (`mapped` bytes long) at offset, `piece` bytes at a
    time, hashing each piece while it is in the core's cache: a read hashes the piece it copied into buf, a write the
-   piece of buf it is about to copy. The file's size is checked first: touching a mapping past the end of its file
+   piece of buf it has just copied. The file's size is checked first: touching a mapping past the end of its file
    raises SIGBUS, so a slab cut short gives -ENODATA instead. */
 static int copy_mapped(char *base, size_t mapped, int fd, char *buf, size_t len, int64_t offset, size_t piece,
                        int write, uint64_t *digest) {
@@ -146,9 +156,9 @@ static int copy_mapped(char *base, size_t mapped, int fd, char *buf, size_t len,
     h_reset(state);
     for (size_t done = 0; done < len; done += piece) {
         size_t n = len - done < piece ? len - done : piece;
-        if (write) {
-            h_update(state, buf + done, n);
+        if (write) {  /* copy first: the copy streams the piece from memory, the hash then finds it in cache */
             memcpy(base + offset + done, buf + done, n);
+            h_update(state, buf + done, n);
         } else {
             memcpy(buf + done, base + offset + done, n);
             h_update(state, buf + done, n);
@@ -197,6 +207,7 @@ class NativePageIO:
         lib.hicache_unmap.argtypes, lib.hicache_unmap.restype = (ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
         lib.hicache_populate.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         lib.hicache_populate.restype = ctypes.c_int
+        lib.hicache_touch.argtypes, lib.hicache_touch.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), None
         for name in ("hicache_read_mapped", "hicache_write_mapped"):
             fn = getattr(lib, name)
             fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
@@ -237,6 +248,7 @@ class MappedFile:
     def __init__(self, io: NativePageIO, address: int, length: int, fd: int, writable: bool) -> None:
         self.io, self.address, self.length, self.fd, self.writable = io, address, length, fd, writable
         self.populated = 0
+        self.method = ""  # how populate faults pages in: "madvise" (MADV_POPULATE_*) or "touch"
         self.stopped = False  # set by close: a populate in progress ends after its current chunk
 
     def populate(self, chunk: int = 64 << 20) -> None:
@@ -245,7 +257,8 @@ class MappedFile:
         while self.populated < self.length and not self.stopped:
             n = min(chunk, self.length - self.populated)
             rc = self.io.lib.hicache_populate(self.address + self.populated, n, int(self.writable))
-            if rc:
+            self.method = "touch" if rc == 1 else "madvise"
+            if rc < 0:
                 logger.warning("L3 slab mapping: faulting it in stopped at %d of %d bytes (%s); pages past that "
                                "are read and written by pread/pwrite", self.populated, self.length, os.strerror(-rc))
                 return
