@@ -114,12 +114,28 @@ class PosixSlotIO:
 
     def _run(self, job, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[SlotResult]:
         results = [SlotResult() for _ in slots]
-        chunks = self._chunks(slots)
+        if self.mapped is not None:
+            # through the mapping a page is one call whether or not its neighbours are: no runs to keep whole, so
+            # each thread takes the next page when it is done with one and a slow page holds up one thread only
+            chunks = [[i] for i in sorted(range(len(slots)), key=lambda i: slots[i])]
+        else:
+            chunks = self._chunks(slots)
         if len(chunks) == 1:
             job(chunks[0], slots, tensors, results)
-        else:
-            for f in [self.pool.submit(job, c, slots, tensors, results) for c in chunks]:
-                f.result()
+            return results
+        queue = iter(chunks)
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    chunk = next(queue, None)
+                if chunk is None:
+                    return
+                job(chunk, slots, tensors, results)
+
+        for f in [self.pool.submit(worker) for _ in range(min(self.io_threads, len(chunks)))]:
+            f.result()
         return results
 
     def write(self, slots: Sequence[int], pages: Sequence[torch.Tensor]) -> list[SlotResult]:
