@@ -66,6 +66,13 @@ def test_slots_past_the_faulted_in_mark_keep_pread_and_pwrite(loop, tmp_path, mo
     for name in ("read", "write"):
         real = getattr(io.mapped, name)
         monkeypatch.setattr(io.mapped, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    real_batch = io.mapped.batch  # a whole call's pages in one batch: each page counted
+
+    def batch(write, addresses, *rest):
+        calls.extend(["write" if write else "read"] * len(addresses))
+        return real_batch(write, addresses, *rest)
+
+    monkeypatch.setattr(io.mapped, "batch", batch)
     keys = [key(i) for i in range(4)]
     io.mapped.populated = 0  # as while the thread is still at the start
     assert store.write_pages(keys[:2], [content(k, PAGE) for k in keys[:2]]) == [True] * 2
@@ -156,6 +163,27 @@ def test_a_slab_cut_short_gives_a_named_error_not_sigbus(loop, tmp_path):
     first = min(keys, key=slots.get)
     assert store.read_pages([first], out := empty(PAGE)) == [True]  # slots still inside the file read as ever
     assert torch.equal(out[0], content(first, PAGE))
+    store.close()
+
+
+def test_one_call_through_the_mapping_reports_each_page_on_its_own(loop, tmp_path):
+    """A call's pages go through the mapping as one batch that several threads work through: a page past the end of
+    a slab cut short fails by itself, with its own error, and the others of the same call read their bytes."""
+    store = mapped_store(tmp_path / "s", pages=8)
+    keys = [key(i) for i in range(8)]
+    assert store.write_pages(keys, [content(k, PAGE) for k in keys]) == [True] * 8
+    slots = [store._entries[k].slot for k in keys]
+    cut = sorted(slots)[5]
+    os.truncate(store._slab.path, store._slab.header.slot_offset(cut))  # slots from the sixth on are gone
+    out = empty(PAGE, 8)
+    results = store._io.read(slots, out)
+    for k, slot, r, o in zip(keys, slots, results, out):
+        if slot < cut:
+            assert r.error is None and r.digest == checksum(memoryview(content(k, PAGE).numpy()))
+            assert torch.equal(o, content(k, PAGE))
+        else:
+            assert isinstance(r.error, OSError) and r.error.errno == errno.ENODATA and r.digest is None
+    assert sum(r.error is None for r in results) == 5
     store.close()
 
 

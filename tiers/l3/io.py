@@ -114,36 +114,44 @@ class PosixSlotIO:
 
     def _run(self, job, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[SlotResult]:
         results = [SlotResult() for _ in slots]
-        if self.mapped is not None:
-            # through the mapping a page is one call whether or not its neighbours are: no runs to keep whole, so
-            # each thread takes the next page when it is done with one and a slow page holds up one thread only
-            chunks = [[i] for i in sorted(range(len(slots)), key=lambda i: slots[i])]
-        else:
-            chunks = self._chunks(slots)
+        chunks = self._chunks(slots)
         if len(chunks) == 1:
             job(chunks[0], slots, tensors, results)
-            return results
-        queue = iter(chunks)
-        lock = threading.Lock()
-
-        def worker() -> None:
-            while True:
-                with lock:
-                    chunk = next(queue, None)
-                if chunk is None:
-                    return
-                job(chunk, slots, tensors, results)
-
-        for f in [self.pool.submit(worker) for _ in range(min(self.io_threads, len(chunks)))]:
-            f.result()
+        else:
+            for f in [self.pool.submit(job, c, slots, tensors, results) for c in chunks]:
+                f.result()
         return results
+
+    def _run_mapped(self, write: bool, slots: Sequence[int],
+                    tensors: Sequence[torch.Tensor]) -> list[SlotResult] | None:
+        """The whole call through the mapping as one `MappedBatch`, or None where a page cannot go that way (see
+        `_mappable`). Each I/O thread enters C once and takes the next page until none is left: one Python entry a
+        thread rather than a page, so the threads do not queue for the interpreter lock between pages, and a slow
+        page holds up one thread only."""
+        everything = range(len(slots))
+        if not slots or not self._mappable(everything, slots, tensors) or (write and not self.mapped.writable):
+            return None
+        offset = self.slab.header.slot_offset
+        batch = self.mapped.batch(write, [t.data_ptr() for t in tensors], [offset(s) for s in slots],
+                                  self.page_bytes, MAPPED_PIECE_BYTES)
+        workers = min(self.io_threads, len(slots))
+        if workers == 1:
+            batch.run()
+        else:
+            for f in [self.pool.submit(batch.run) for _ in range(workers)]:
+                f.result()
+        return [SlotResult(error=e) if e is not None else SlotResult(digest=d) for d, e in batch.outcomes()]
 
     def write(self, slots: Sequence[int], pages: Sequence[torch.Tensor]) -> list[SlotResult]:
         """Write each page to its slot (zero-padded to slot_bytes). Not synced: call slab.sync()."""
+        if self.mapped is not None and (done := self._run_mapped(True, slots, pages)) is not None:
+            return done
         return self._run(self._write_chunk, slots, pages)
 
     def read(self, slots: Sequence[int], out: Sequence[torch.Tensor]) -> list[SlotResult]:
         """Read each slot into its tensor; a slot cut short by EOF reports an ENODATA error."""
+        if self.mapped is not None and (done := self._run_mapped(False, slots, out)) is not None:
+            return done
         return self._run(self._read_chunk, slots, out)
 
     def _fused(self, chunk: list[int], buffers) -> bool:
@@ -230,7 +238,7 @@ class PosixSlotIO:
             except OSError as e:
                 results[i] = SlotResult(error=e)
 
-    def _mappable(self, chunk: list[int], slots, out) -> bool:
+    def _mappable(self, chunk: Sequence[int], slots, out) -> bool:
         """Whether every page of the chunk can be copied to or from the mapping: CPU memory, contiguous, page-sized,
         and in the part of the mapping already faulted in."""
         if self.mapped is None:

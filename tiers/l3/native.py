@@ -19,6 +19,7 @@ import errno
 import functools
 import logging
 import os
+from collections.abc import Sequence
 
 from tiers import native_build
 from tiers.l3 import format as l3_format
@@ -178,6 +179,18 @@ int hicache_write_mapped(char *base, size_t mapped, int fd, char *buf, size_t le
                          uint64_t *digest) {
     return copy_mapped(base, mapped, fd, buf, len, offset, piece, 1, digest);
 }
+
+/* n pages of len bytes between bufs[i] and the mapping at offsets[i], each hashed into digests[i] with its result
+   (0 or -errno) in rcs[i]. Several threads may run one batch at once: each takes the next page from *next until
+   none is left, so a slow page holds up one thread, and a call costs one entry from Python per thread. */
+void hicache_copy_mapped_batch(char *base, size_t mapped, int fd, char **bufs, const int64_t *offsets, size_t n,
+                               size_t len, size_t piece, int write, int64_t *next, uint64_t *digests, int *rcs) {
+    for (;;) {
+        int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i < 0 || (size_t)i >= n) return;
+        rcs[i] = copy_mapped(base, mapped, fd, bufs[i], len, offsets[i], piece, write, &digests[i]);
+    }
+}
 """
 
 
@@ -208,6 +221,11 @@ class NativePageIO:
         lib.hicache_populate.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         lib.hicache_populate.restype = ctypes.c_int
         lib.hicache_touch.argtypes, lib.hicache_touch.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), None
+        lib.hicache_copy_mapped_batch.argtypes = (
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_int64), ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+            ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int))
+        lib.hicache_copy_mapped_batch.restype = None
         for name in ("hicache_read_mapped", "hicache_write_mapped"):
             fn = getattr(lib, name)
             fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
@@ -280,11 +298,53 @@ class MappedFile:
             raise OSError(errno.EBADF, "L3 write: the slab mapping is read-only")
         return self._copy(self.io.lib.hicache_write_mapped, "L3 write", address, length, offset, piece)
 
+    def batch(self, write: bool, addresses: Sequence[int], offsets: Sequence[int], length: int,
+              piece: int) -> MappedBatch:
+        """Pages to copy into (`write`) or out of the mapping, `length` bytes each, by any number of threads at
+        once (`MappedBatch.run`)."""
+        if not self.address:
+            raise OSError(errno.EBADF, "L3 slab mapping is closed")
+        if write and not self.writable:
+            raise OSError(errno.EBADF, "L3 write: the slab mapping is read-only")
+        return MappedBatch(self, write, addresses, offsets, length, piece)
+
     def close(self) -> None:
         """Unmap; the caller first stops and joins any thread running `populate` (see `stopped`)."""
         if self.address:
             self.io.lib.hicache_unmap(self.address, self.length)
             self.address = 0
+
+
+class MappedBatch:
+    """One call's pages through a mapping: every thread that calls `run` copies and hashes pages, taking the next
+    one in C until none is left; `outcomes` then gives each page's (digest, None) or (None, OSError)."""
+
+    def __init__(self, mapped: MappedFile, write: bool, addresses: Sequence[int], offsets: Sequence[int],
+                 length: int, piece: int) -> None:
+        n = len(addresses)
+        self.mapped, self.write, self.n, self.length, self.piece = mapped, write, n, length, piece
+        self.bufs = (ctypes.c_void_p * n)(*addresses)
+        self.offsets = (ctypes.c_int64 * n)(*offsets)
+        self.digests = (ctypes.c_uint64 * n)()
+        self.rcs = (ctypes.c_int * n)()
+        self.next = ctypes.c_int64(0)
+
+    def run(self) -> None:
+        m = self.mapped
+        m.io.lib.hicache_copy_mapped_batch(m.address, m.length, m.fd, self.bufs, self.offsets, self.n, self.length,
+                                           self.piece, int(self.write), ctypes.byref(self.next), self.digests,
+                                           self.rcs)
+
+    def outcomes(self) -> list[tuple[int | None, OSError | None]]:
+        what = "L3 write" if self.write else "L3 read"
+        out: list[tuple[int | None, OSError | None]] = []
+        for digest, rc in zip(self.digests, self.rcs):
+            try:
+                _check(rc, what)
+                out.append((digest, None))
+            except OSError as e:
+                out.append((None, e))
+        return out
 
 
 @functools.cache
