@@ -187,6 +187,51 @@ def test_one_call_through_the_mapping_reports_each_page_on_its_own(loop, tmp_pat
     store.close()
 
 
+def test_close_waits_for_a_copy_through_the_mapping_and_refuses_later_ones(loop, tmp_path, monkeypatch):
+    """Unmapping under a copy would crash the process: close waits for the calls in flight, also one that runs in
+    its caller's thread (a single page), and later calls get an error instead."""
+    store = mapped_store(tmp_path / "s", pages=2)
+    io = store._io
+    k = key(0)
+    assert store.write_pages([k], [content(k, PAGE)]) == [True]
+    slot = store._entries[k].slot
+    inside, go_on = threading.Event(), threading.Event()
+    real_batch = io.mapped.batch
+
+    def slow_batch(*args):
+        batch = real_batch(*args)
+        run = batch.run
+
+        def held_run():
+            inside.set()
+            assert go_on.wait(30)
+            run()
+
+        batch.run = held_run
+        return batch
+
+    monkeypatch.setattr(io.mapped, "batch", slow_batch)
+    out = empty(PAGE)
+    results = []
+    reader = threading.Thread(target=lambda: results.extend(io.read([slot], out)))
+    reader.start()
+    assert inside.wait(30)
+    closer = threading.Thread(target=io.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and io.mapped.address  # still mapped: the read is inside its copy
+    go_on.set()
+    reader.join(30)
+    closer.join(30)
+    assert not closer.is_alive() and io.mapped.address == 0
+    assert results[0].error is None and torch.equal(out[0], content(k, PAGE))
+    with pytest.raises(OSError) as e:
+        io.read([slot], empty(PAGE))
+    assert e.value.errno == errno.EBADF and "closed" in str(e.value)
+    store._io = None  # closed above
+    store._release()
+
+
 def test_a_sparse_slab_is_written_by_pwrite_and_read_through_the_mapping(loop, tmp_path):
     path = tmp_path / "sparse"
     size = 16 * 4096

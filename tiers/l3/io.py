@@ -6,6 +6,7 @@ bytes it wrote or read, so the store can verify reads without knowing which path
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -84,6 +85,11 @@ class PosixSlotIO:
         self.bounce = _Bounce()
         self.native = native.load()  # a page in one C call, the lock released (tiers/l3/native.py); None: Python
         self.mapped: native.MappedFile | None = None
+        # calls copying through the mapping right now: close waits for them before it unmaps (a copy into memory
+        # unmapped under it would crash the process, not raise)
+        self._mapped_calls = 0
+        self._mapped_closing = False
+        self._mapped_idle = threading.Condition()
         if map_reads is None:
             map_reads = self.native is not None and self.native.in_memory(slab.meta_fd)
         if map_reads:
@@ -144,15 +150,34 @@ class PosixSlotIO:
 
     def write(self, slots: Sequence[int], pages: Sequence[torch.Tensor]) -> list[SlotResult]:
         """Write each page to its slot (zero-padded to slot_bytes). Not synced: call slab.sync()."""
-        if self.mapped is not None and (done := self._run_mapped(True, slots, pages)) is not None:
-            return done
-        return self._run(self._write_chunk, slots, pages)
+        if self.mapped is None:
+            return self._run(self._write_chunk, slots, pages)
+        with self._using_mapping():
+            done = self._run_mapped(True, slots, pages)
+            return done if done is not None else self._run(self._write_chunk, slots, pages)
 
     def read(self, slots: Sequence[int], out: Sequence[torch.Tensor]) -> list[SlotResult]:
         """Read each slot into its tensor; a slot cut short by EOF reports an ENODATA error."""
-        if self.mapped is not None and (done := self._run_mapped(False, slots, out)) is not None:
-            return done
-        return self._run(self._read_chunk, slots, out)
+        if self.mapped is None:
+            return self._run(self._read_chunk, slots, out)
+        with self._using_mapping():
+            done = self._run_mapped(False, slots, out)
+            return done if done is not None else self._run(self._read_chunk, slots, out)
+
+    @contextlib.contextmanager
+    def _using_mapping(self):
+        """Count a call that may copy through the mapping (in its own thread or the pool's); refused once close
+        has begun, which waits for the count to reach zero before it unmaps."""
+        with self._mapped_idle:
+            if self._mapped_closing:
+                raise OSError(errno.EBADF, f"{self.slab.path}: L3 slab I/O is closed")
+            self._mapped_calls += 1
+        try:
+            yield
+        finally:
+            with self._mapped_idle:
+                self._mapped_calls -= 1
+                self._mapped_idle.notify_all()
 
     def _fused(self, chunk: list[int], buffers) -> bool:
         """Whether every page of the chunk moves in hashed pieces (its buffer is the whole slot, aligned)."""
@@ -273,6 +298,10 @@ class PosixSlotIO:
             results[i].digest = checksum(iov[k][:self.page_bytes])
 
     def close(self) -> None:
+        if self.mapped is not None:  # calls copying through the mapping end first, in whichever thread they run
+            with self._mapped_idle:
+                self._mapped_closing = True
+                self._mapped_idle.wait_for(lambda: self._mapped_calls == 0)
         self.pool.shutdown(wait=True)  # no read runs past this: the mapping can go
         if self.mapped is not None:
             self.mapped.stopped = True
