@@ -96,6 +96,10 @@ class ReplayTotals:
     disk_hit_ages_ms: list[float] = field(default_factory=list)
     server_mismatches: list[tuple[int, dict[str, int], dict[str, int]]] = field(default_factory=list)
     server_checked: int = 0  # trace-log requests compared with the server's cached_tokens
+    # prefill seconds by the cost model, each token priced at its position in its prompt: all prompt tokens, and
+    # the tokens each tier served (a hit is a prompt's first tokens, the cheapest to recompute)
+    recompute_s: float = 0.0
+    hit_compute_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS, 0.0))
 
 
 class _ReplayController(TierController):
@@ -129,6 +133,14 @@ class Replayer:
         self.controller = _ReplayController(tree, device, host, self.store, None, setup.write_policy, cost,
                                             worker, setup.disk_blocks or None)
         self.totals = ReplayTotals()
+
+    def _computed_by(self, tokens: int) -> float:
+        """Prefill seconds of a prompt's first `tokens` tokens by the cost model (CostModel._computed_by, in
+        tokens rather than pages); 0 where the prefill speed is unknown."""
+        cost = self.controller.cost
+        if not cost.prefill_tokens_per_s:
+            return 0.0
+        return tokens / cost.prefill_tokens_per_s + cost.attention_seconds_per_pair * tokens * (tokens - 1) / 2
 
     def step(self, rec: TraceRecord, server_log: bool = False) -> RequestOutcome:
         """Replay one request (see the module doc); updates `totals` except per-trace figures."""
@@ -164,6 +176,8 @@ class Replayer:
 
         hit_blocks = dict.fromkeys(TIERS, 0)
         hit_tokens = dict.fromkeys(TIERS, 0)
+        hit_compute = dict.fromkeys(TIERS, 0.0)
+        computed_by = self._computed_by
         disk_positions: list[int] = []
         pos = 0
         for tier, count in ctrl.last_runs:  # blocks [0, used) in order, by fastest tier at match time
@@ -172,6 +186,8 @@ class Replayer:
                 break
             hit_blocks[tier] += take
             hit_tokens[tier] += take * bt
+            end = min((pos + take) * bt, rec.input_length)  # the last used block may be the partial one
+            hit_compute[tier] += computed_by(end) - computed_by(pos * bt)
             if tier == DISK:
                 disk_positions.extend(range(pos, pos + take))
             pos += take
@@ -185,9 +201,11 @@ class Replayer:
         t.requests += 1
         t.blocks += n
         t.tokens += rec.input_length
+        t.recompute_s += computed_by(rec.input_length)
         for tier in TIERS:
             t.hit_blocks[tier] += hit_blocks[tier]
             t.hit_tokens[tier] += hit_tokens[tier]
+            t.hit_compute_s[tier] += hit_compute[tier]
         if hit_blocks[DISK]:
             t.requests_with_disk_hit += 1
         if out.disk_read_blocks:

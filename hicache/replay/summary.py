@@ -114,13 +114,16 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
     load_s = {"device": 0.0,
               "host": t.hit_blocks["host"] * bb / cost.host_to_device_bytes_per_s,
               "disk": t.hit_blocks["disk"] * bb / cost.disk_to_device_bytes_per_s}
-    saved = {k: t.hit_tokens[k] / cost.prefill_tokens_per_s - load_s[k] for k in TIERS}
+    # each hit token priced at its position (attention to the tokens before it): a tier's hits, prompts' first
+    # tokens, save less than their share of the tokens
+    saved = {k: t.hit_compute_s[k] - load_s[k] for k in TIERS}
     out["prefill_time"] = {
-        "recompute_all_s": t.tokens / cost.prefill_tokens_per_s,
+        "recompute_all_s": t.recompute_s,
         "load_s": load_s,
         "saved_s": saved,
         "total_saved_s": sum(saved.values()),
         "prefill_tokens_per_s": cost.prefill_tokens_per_s,
+        "attention_ns_per_pair": setup.attention_seconds_per_pair * 1e9,
         "host_to_device_gbps": cost.host_to_device_bytes_per_s / 1e9,
         "disk_to_device_gbps": cost.disk_to_device_bytes_per_s / 1e9,
         "assumed": list(cost.assumed),

@@ -116,6 +116,16 @@ def test_replay_prices_deep_blocks_dearer_with_an_attention_cost(tmp_path: Path)
     assert main([*base, "--attention-ns-per-pair", "1000", "--json", str(deep)]) == 0
     s = json.loads(deep.read_text())
     assert s["disk"]["pages_written"] == 7 and s["hit_blocks"]["disk"] == 3
+    # prefill time prices each token at its position: c(t) = t / 1e6 + 1e-6 * t (t - 1) / 2 for a prompt's first
+    # t tokens; prompts of 12, 12, 16 and 12 tokens, and two 12-token prefixes served (the GPU's hit: tokens 0-3)
+    c = lambda t: t / 1e6 + 1e-6 * t * (t - 1) / 2  # noqa: E731
+    pt = s["prefill_time"]
+    assert pt["recompute_all_s"] == pytest.approx(3 * c(12) + c(16))
+    assert pt["saved_s"]["device"] == pytest.approx(c(4))
+    assert sum(pt["saved_s"].values()) + sum(pt["load_s"].values()) == pytest.approx(2 * c(12))
+    assert pt["attention_ns_per_pair"] == pytest.approx(1000)
+    flat_pt = json.loads(flat.read_text())["prefill_time"]
+    assert flat_pt["recompute_all_s"] == pytest.approx(52 / 1e6)  # no pair cost: tokens / speed
     assert main([*base, "--attention-ns-per-pair", "-1"]) == 2
 
 
