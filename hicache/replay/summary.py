@@ -197,7 +197,9 @@ def format_table(s: dict[str, Any], title: str) -> str:
                  f"not cached: {s['not_cached_blocks']:,} blocks of {s.get('cut_requests', 0):,} requests longer "
                  "than the GPU tier (a server caches only their first GPU-capacity blocks too)")
     assumed = f" (assumed defaults: {', '.join(pt['assumed'])})" if pt["assumed"] else ""
-    lines.append(f"cost model: prefill {pt['prefill_tokens_per_s']:,.0f} tokens/s, host->GPU "
+    pair = pt.get("attention_ns_per_pair", 0.0)
+    attention = f" + {pair:g} ns per (token, earlier token) pair" if pair else ""
+    lines.append(f"cost model: prefill {pt['prefill_tokens_per_s']:,.0f} tokens/s{attention}, host->GPU "
                  f"{pt['host_to_device_gbps']:g} GB/s, disk->GPU {pt['disk_to_device_gbps']:g} GB/s{assumed}")
     d = s.get("disk")
     if d:

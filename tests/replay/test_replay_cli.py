@@ -99,7 +99,7 @@ def test_a_disk_slower_than_recomputing_gets_no_writes_and_the_summary_says_why(
     assert d["pages_written"] == 7 and d["not_worth_loading_pages"] == 0
 
 
-def test_replay_prices_deep_blocks_dearer_with_an_attention_cost(tmp_path: Path) -> None:
+def test_replay_prices_deep_blocks_dearer_with_an_attention_cost(tmp_path: Path, capsys) -> None:
     """A disk that loads a 4-token block in 6 us against 4 us to recompute it at the start of a prompt: no writes
     with a flat cost; with 1 us per token pair the prompts' blocks cost more than they load, so the disk fills and
     serves hits."""
@@ -124,6 +124,7 @@ def test_replay_prices_deep_blocks_dearer_with_an_attention_cost(tmp_path: Path)
     assert pt["saved_s"]["device"] == pytest.approx(c(4))
     assert sum(pt["saved_s"].values()) + sum(pt["load_s"].values()) == pytest.approx(2 * c(12))
     assert pt["attention_ns_per_pair"] == pytest.approx(1000)
+    assert "tokens/s + 1000 ns per (token, earlier token) pair" in capsys.readouterr().out
     flat_pt = json.loads(flat.read_text())["prefill_time"]
     assert flat_pt["recompute_all_s"] == pytest.approx(52 / 1e6)  # no pair cost: tokens / speed
     assert main([*base, "--attention-ns-per-pair", "-1"]) == 2
