@@ -67,11 +67,12 @@ class PosixSlotIO:
     """preadv/pwritev at slot offsets; adjacent slots coalesce into one vectored call per chunk.
 
     A slab that lives in memory (tmpfs, ramfs, hugetlbfs) is read and written through a shared mapping of it instead
-    (`map_reads`; None: where the native loop is there and the file is in memory): each page is one copy and its
-    hash, in one C call, with no system call per piece. The name is then "mapped". Writes go through the mapping
-    only where every byte of the slab is allocated: a write fault on a hole of a full tmpfs raises SIGBUS, where
-    pwrite would return ENOSPC. On tmpfs the mapping's pages are the file's, so fsync has nothing more to do. A thread
-    faults the mapping in from the start (`MappedFile.populate`); slots past its mark keep pread/pwrite until then."""
+    (`map_reads`; None: where the native loop is there and the file is in memory): a call's pages are one native
+    batch of copies, each page hashed as it is copied, with no system call per piece (`_copy_mapped`). The name is
+    then "mapped". Writes go through the mapping only where every byte of the slab is allocated: a write fault on a
+    hole of a full tmpfs raises SIGBUS, where pwrite would return ENOSPC. On tmpfs the mapping's pages are the
+    file's, so fsync has nothing more to do. A thread faults the mapping in from the start (`MappedFile.populate`);
+    slots past its mark keep pread/pwrite until then."""
 
     def __init__(self, slab: SlabFile, page_bytes: int, io_threads: int, max_io_bytes: int,
                  map_reads: bool | None = None) -> None:
@@ -130,23 +131,31 @@ class PosixSlotIO:
 
     def _run_mapped(self, write: bool, slots: Sequence[int],
                     tensors: Sequence[torch.Tensor]) -> list[SlotResult] | None:
-        """The whole call through the mapping as one `MappedBatch`, or None where a page cannot go that way (see
-        `_mappable`). Each I/O thread enters C once and takes the next page until none is left: one Python entry a
-        thread rather than a page, so the threads do not queue for the interpreter lock between pages, and a slow
-        page holds up one thread only."""
+        """The whole call through the mapping (`_copy_mapped` over every page, all I/O threads on it), or None where a
+        page cannot go that way (see `_mappable`)."""
         everything = range(len(slots))
-        if not slots or not self._mappable(everything, slots, tensors) or (write and not self.mapped.writable):
+        if not slots or not self._mappable(everything, slots, tensors, write):
             return None
+        results = [SlotResult() for _ in slots]
+        self._copy_mapped(write, everything, slots, tensors, results, min(self.io_threads, len(slots)))
+        return results
+
+    def _copy_mapped(self, write: bool, items: Sequence[int], slots, tensors, results: list[SlotResult],
+                     workers: int = 1) -> None:
+        """Copy and hash pages `items` to or from the mapping as one `MappedBatch`: each of `workers` threads (the
+        caller's alone for 1) enters C once and takes the next page until none is left. One Python entry a thread
+        rather than a page, so the threads do not queue for the interpreter lock between pages, and a slow page
+        holds up one thread only."""
         offset = self.slab.header.slot_offset
-        batch = self.mapped.batch(write, [t.data_ptr() for t in tensors], [offset(s) for s in slots],
+        batch = self.mapped.batch(write, [tensors[i].data_ptr() for i in items], [offset(slots[i]) for i in items],
                                   self.page_bytes, MAPPED_PIECE_BYTES)
-        workers = min(self.io_threads, len(slots))
         if workers == 1:
             batch.run()
         else:
             for f in [self.pool.submit(batch.run) for _ in range(workers)]:
                 f.result()
-        return [SlotResult(error=e) if e is not None else SlotResult(digest=d) for d, e in batch.outcomes()]
+        for i, (digest, error) in zip(items, batch.outcomes()):
+            results[i] = SlotResult(digest=digest, error=error)
 
     def write(self, slots: Sequence[int], pages: Sequence[torch.Tensor]) -> list[SlotResult]:
         """Write each page to its slot (zero-padded to slot_bytes). Not synced: call slab.sync()."""
@@ -229,8 +238,8 @@ class PosixSlotIO:
             results[i].digest = h.digest()
 
     def _write_chunk(self, chunk: list[int], slots, pages, results: list[SlotResult]) -> None:
-        if self._mappable(chunk, slots, pages) and self.mapped.writable:
-            self._mapped_pages(self.mapped.write, chunk, slots, pages, results)
+        if self._mappable(chunk, slots, pages, write=True):
+            self._copy_mapped(True, chunk, slots, pages, results)
             return
         if self._fused(chunk, pages):
             self._write_fused(chunk, slots, pages, results)
@@ -254,19 +263,10 @@ class PosixSlotIO:
             for i in chunk:
                 results[i] = SlotResult(error=e)
 
-    def _mapped_pages(self, move, chunk: list[int], slots, buffers, results: list[SlotResult]) -> None:
-        """Each page of the chunk copied to or from the mapping and hashed, one native call a page (`move`)."""
-        offset = self.slab.header.slot_offset
-        for i in chunk:
-            try:
-                results[i].digest = move(buffers[i].data_ptr(), self.page_bytes, offset(slots[i]), MAPPED_PIECE_BYTES)
-            except OSError as e:
-                results[i] = SlotResult(error=e)
-
-    def _mappable(self, chunk: Sequence[int], slots, out) -> bool:
+    def _mappable(self, chunk: Sequence[int], slots, out, write: bool = False) -> bool:
         """Whether every page of the chunk can be copied to or from the mapping: CPU memory, contiguous, page-sized,
-        and in the part of the mapping already faulted in."""
-        if self.mapped is None:
+        in the part of the mapping already faulted in, and for a write, a writable mapping."""
+        if self.mapped is None or (write and not self.mapped.writable):
             return False
         mark, offset = self.mapped.populated - self.page_bytes, self.slab.header.slot_offset
         return all(offset(slots[i]) <= mark and out[i].device.type == "cpu" and out[i].is_contiguous()
@@ -274,7 +274,7 @@ class PosixSlotIO:
 
     def _read_chunk(self, chunk: list[int], slots, out, results: list[SlotResult]) -> None:
         if self._mappable(chunk, slots, out):
-            self._mapped_pages(self.mapped.read, chunk, slots, out, results)
+            self._copy_mapped(False, chunk, slots, out, results)
             return
         if self._fused(chunk, out):
             self._read_fused(chunk, slots, out, results)
