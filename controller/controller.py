@@ -97,7 +97,7 @@ class TierController:
         self.host_room_version = 0
         self._disk_paid: bool | None = None  # the last answer of `_disk_writes_pay`, to log its changes
         # prompt length in pages, a moving average over requests: the depth the L3 write gate judges loads at
-        self.typical_prompt_pages: float | None = None
+        self.typical_prompt_pages = 0.0  # 0 until the first prompt
         self._prompts_seen = 0
         # the disk bandwidth the model started with (calibrated at startup, or configured): see `_disk_writes_pay`
         self._disk_bw_start = self.loads.cost.disk_to_device_bytes_per_s
@@ -192,8 +192,8 @@ class TierController:
             # the plain mean of the first 1/weight prompts, then a moving average: one short first request (a health
             # probe) must not stand for the workload's prompts for the next dozens
             self._prompts_seen += 1
-            avg, weight = self.typical_prompt_pages, max(PROMPT_AVERAGE_WEIGHT, 1 / self._prompts_seen)
-            self.typical_prompt_pages = pages if avg is None else avg + weight * (pages - avg)
+            weight = max(PROMPT_AVERAGE_WEIGHT, 1 / self._prompts_seen)  # 1 for the first: the average is it
+            self.typical_prompt_pages += weight * (pages - self.typical_prompt_pages)
         else:
             for tier, pages in replaces.hit_pages.items():
                 self.stats.hit_tokens[tier] -= pages * self.page_size

@@ -81,9 +81,13 @@ class CostModel:
         return self._computed_by(end) - self._computed_by(start)
 
     def _computed_by(self, page: int) -> float:
-        """Seconds to compute pages [0, page) of a prompt: t / speed + pairs * attention, for its t tokens."""
-        t = page * self.page_size
-        return t / self.prefill_tokens_per_s + self.attention_seconds_per_pair * t * (t - 1) / 2
+        """Seconds to compute pages [0, page) of a prompt."""
+        return self.prefix_compute_seconds(page * self.page_size)
+
+    def prefix_compute_seconds(self, tokens: int) -> float:
+        """Seconds to compute a prompt's first `tokens` tokens: tokens / speed + their (token, earlier token) pairs
+        x the attention price. Needs a known prefill speed."""
+        return tokens / self.prefill_tokens_per_s + self.attention_seconds_per_pair * tokens * (tokens - 1) / 2
 
     def pages_to_load(self, page_tiers: Sequence[tuple[str, int]]) -> int:
         """Number of leading matched pages to use, given (fastest tier, page count) runs in order."""

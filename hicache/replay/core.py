@@ -134,14 +134,6 @@ class Replayer:
                                             worker, setup.disk_blocks or None)
         self.totals = ReplayTotals()
 
-    def _computed_by(self, tokens: int) -> float:
-        """Prefill seconds of a prompt's first `tokens` tokens by the cost model (CostModel._computed_by, in
-        tokens rather than pages); 0 where the prefill speed is unknown."""
-        cost = self.controller.cost
-        if not cost.prefill_tokens_per_s:
-            return 0.0
-        return tokens / cost.prefill_tokens_per_s + cost.attention_seconds_per_pair * tokens * (tokens - 1) / 2
-
     def step(self, rec: TraceRecord, server_log: bool = False) -> RequestOutcome:
         """Replay one request (see the module doc); updates `totals` except per-trace figures."""
         ctrl = self.controller
@@ -177,7 +169,8 @@ class Replayer:
         hit_blocks = dict.fromkeys(TIERS, 0)
         hit_tokens = dict.fromkeys(TIERS, 0)
         hit_compute = dict.fromkeys(TIERS, 0.0)
-        computed_by = self._computed_by
+        cost = ctrl.cost  # a prompt's first t tokens by position; 0 where the prefill speed is unknown
+        computed_by = cost.prefix_compute_seconds if cost.prefill_tokens_per_s else lambda t: 0.0
         disk_positions: list[int] = []
         pos = 0
         for tier, count in ctrl.last_runs:  # blocks [0, used) in order, by fastest tier at match time
