@@ -32,12 +32,20 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs
 
 import numpy as np
 
 from tiers.l3.format import KEY_BYTES
-from tiers.remote import HEADER_BYTES, RemoteError, SharedStore, _host_view, header_matches, value_header
+from tiers.remote import (
+    HEADER_BYTES,
+    RemoteError,
+    SharedStore,
+    _host_view,
+    header_matches,
+    parse_server_url,
+    value_header,
+)
 
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND: the key is not (or no longer) in the cluster
 RPC_FAILED = -900  # Mooncake's RPC_FAIL: the master cannot be reached
@@ -56,15 +64,7 @@ class MooncakeAddress:
     @classmethod
     def parse(cls, url: str) -> MooncakeAddress:
         """mooncake://HOST:PORT?metadata=...&protocol=tcp&... (see the module doc)."""
-        u = urlparse(url)
-        if u.scheme != "mooncake":
-            raise RemoteError(0, f"cache.remote.url {url!r}: the scheme must be mooncake://")
-        if not u.hostname:
-            raise RemoteError(0, f"cache.remote.url {url!r}: no master host")
-        try:
-            port = u.port or 50051
-        except ValueError as e:
-            raise RemoteError(0, f"cache.remote.url {url!r}: {e}") from e
+        u, port = parse_server_url(url, ("mooncake",), 50051, "master host")
         query = {k: v[-1] for k, v in parse_qs(u.query).items()}
         unknown = set(query) - {"metadata", "protocol", "device", "local", "segment_mib", "buffer_mib"}
         if unknown:

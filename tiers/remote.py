@@ -53,6 +53,21 @@ class RemoteError(OSError):
     """The remote store cannot be used as configured; the message names the server and the reason."""
 
 
+def parse_server_url(url: str, schemes: Sequence[str], default_port: int, host_word: str) -> tuple[Any, int]:
+    """`url` split (urlparse) with its port (default_port if none); RemoteError naming what is wrong for a scheme
+    not in `schemes`, no host (`host_word`: what the host is called in the message), or a bad port."""
+    u = urlparse(url)
+    if u.scheme not in schemes:
+        raise RemoteError(0, f"cache.remote.url {url!r}: the scheme must be "
+                             + " or ".join(f"{scheme}://" for scheme in schemes))
+    if not u.hostname:
+        raise RemoteError(0, f"cache.remote.url {url!r}: no {host_word}")
+    try:
+        return u, u.port or default_port
+    except ValueError as e:
+        raise RemoteError(0, f"cache.remote.url {url!r}: {e}") from e
+
+
 @dataclass(frozen=True)
 class RemoteAddress:
     host: str
@@ -64,15 +79,7 @@ class RemoteAddress:
     @classmethod
     def parse(cls, url: str, username: str | None = None, password: str | None = None) -> RemoteAddress:
         """redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] (valkey:// too); explicit credentials win over the URL's."""
-        u = urlparse(url)
-        if u.scheme not in ("redis", "valkey"):
-            raise RemoteError(0, f"cache.remote.url {url!r}: the scheme must be redis:// or valkey://")
-        if not u.hostname:
-            raise RemoteError(0, f"cache.remote.url {url!r}: no host")
-        try:
-            port = u.port or 6379
-        except ValueError as e:
-            raise RemoteError(0, f"cache.remote.url {url!r}: {e}") from e
+        u, port = parse_server_url(url, ("redis", "valkey"), 6379, "host")
         path = u.path.strip("/")
         if path and not path.isdigit():
             raise RemoteError(0, f"cache.remote.url {url!r}: the path must be a database number, got {path!r}")
