@@ -301,6 +301,27 @@ class TierController:
         self.host_room_version += 1
         self.eviction.remove_invalid()
 
+    def pending_read_seconds(self, ticket: LoadTicket) -> float:
+        """Seconds the GPU would take to recompute what the ticket still waits for from disk (inf: nothing, or no
+        known prefill speed): how long its request may wait for those reads (see give_up_reads)."""
+        return self.loads.pending_read_seconds(ticket)
+
+    def give_up_reads(self, ticket: LoadTicket) -> LoadTicket | None:
+        """Stop waiting for the ticket's disk reads that have not landed: the ticket now ends before them and the
+        caller computes the rest. Returns a ticket to release once its transfers settle (the reads go on into
+        host memory), or None if there was nothing to give up (see Loads.give_up_reads)."""
+        residual = self.loads.give_up_reads(ticket)
+        if residual is not None:
+            self.host_room_version += 1
+        return residual
+
+    def prefill_seconds(self, start: int, end: int) -> float:
+        """Seconds the GPU takes to prefill tokens [start, end) of a prompt by the cost model (0: speed unknown)."""
+        cost = self.loads.cost
+        if not cost.prefill_tokens_per_s or end <= start:
+            return 0.0
+        return cost.prefix_compute_seconds(end) - cost.prefix_compute_seconds(start)
+
     def stream_wait(self, ticket: LoadTicket) -> None:
         """Make the current CUDA stream wait for the copies of the pages the caller may read now: the
         whole prefix, or only [0, k) while the ticket has a gap (no host blocking); no-op on CPU."""

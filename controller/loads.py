@@ -122,6 +122,7 @@ class Loads:
         for node, tier in zip(nodes, tiers):
             if not k <= pos < s or ticket.gap is None:  # the gap's pages are computed, not hits
                 ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
+                ticket.hit_runs.append((pos, pos + node.num_pages, tier))
                 if tier == DISK:
                     disk_keys += node.disk_keys
             pos += node.num_pages
@@ -133,6 +134,79 @@ class Loads:
         for tier, pages in ticket.hit_pages.items():
             self.stats.hit_tokens[tier] += pages * ps
         return ticket
+
+    # ------------------------------------------------------------------ deadlines
+
+    def pending_read_seconds(self, ticket: LoadTicket) -> float:
+        """Seconds the GPU would take to recompute what the ticket still waits for from disk: the pages from its
+        first node whose disk read is in flight to the end of its prefix (inf: none, or no known prefill speed)."""
+        cut = self._first_reading(ticket)
+        if cut is None:
+            return float("inf")
+        start = sum(n.num_pages for n in ticket.nodes[:cut])
+        return self.cost.compute_seconds(start, ticket.num_pages)
+
+    def _first_reading(self, ticket: LoadTicket) -> int | None:
+        """Index in ticket.nodes of the first node (before its gap, if any) whose disk read has not landed."""
+        for i, node in enumerate(ticket.prefix_nodes):
+            if self.transfers.disk_load(node) is not None:
+                return i
+        return None
+
+    def give_up_reads(self, ticket: LoadTicket) -> LoadTicket | None:
+        """Stop waiting for the ticket's disk reads that have not landed: the ticket ends before the first node
+        still reading, and its holder computes the rest. The reads go on and land in host memory as prefetched
+        pages (a later request finds them there); the GPU pages they were to fill are freed now, nothing having
+        been copied into them yet. Returns a ticket holding the old lock, to release once the transfers under it
+        settle (copies into GPU pages further on may still be landing); None where there is nothing to give up,
+        or another request waits for the same reads (they stay its load)."""
+        cut = self._first_reading(ticket)
+        if cut is None:
+            return None
+        nodes = ticket.nodes
+        rest = nodes[cut:]
+        if any(node.lock_ref > 1 and (load := self.transfers.disk_load(node)) is not None and load.to_device
+               for node in rest):
+            return None
+        for node in rest:
+            load = self.transfers.disk_load(node)
+            if load is None:
+                continue
+            if load.to_device:
+                load.to_device = False
+                load.prefetch = True  # lands as a host copy read from disk: a later hit on it counts as a disk hit
+            if node.on_device:
+                self.device.free(self.tree.unassign(node, DEVICE))
+        start = sum(n.num_pages for n in nodes[:cut])
+        self._take_back_hits(ticket, start)
+        self.stats.recomputed_tokens += (ticket.num_pages - start) * self.page_size
+        self.stats.gave_up_reads += 1
+        residual = LoadTicket(self.transfers, ticket.node, 0)
+        ticket.node = nodes[cut - 1] if cut else self.tree.root
+        ticket.gap = None
+        self.tree.lock(ticket.node)  # the residual keeps the old lock
+        return residual
+
+    def _take_back_hits(self, ticket: LoadTicket, start: int) -> None:
+        """Pages from `start` on are computed now, not hits: take them out of the ticket's and the stats' counts."""
+        kept: list[tuple[int, int, str]] = []
+        for a, b, tier in ticket.hit_runs:
+            if b > start:
+                gone = b - max(a, start)
+                local = min(gone, ticket.hit_pages.get(tier, 0))
+                self._uncount(ticket, tier, local)
+                self._uncount(ticket, REMOTE, gone - local)  # disk pages that were the shared tier's (acquire)
+            if a < start:
+                kept.append((a, min(b, start), tier))
+        ticket.hit_runs = kept
+
+    def _uncount(self, ticket: LoadTicket, tier: str, pages: int) -> None:
+        if pages <= 0:
+            return
+        ticket.hit_pages[tier] -= pages
+        if not ticket.hit_pages[tier]:
+            del ticket.hit_pages[tier]
+        self.stats.hit_tokens[tier] -= pages * self.page_size
 
     def _cut(self, nodes: list[TreeNode], pages: int) -> list[TreeNode]:
         """The leading nodes covering exactly `pages` pages (splitting the last one if needed)."""

@@ -28,6 +28,7 @@ class CacheStats:
     drops: Counter = field(default_factory=Counter)  # reason -> pages not backed up / not loaded
     load_failures: int = 0  # L3 reads that missed or failed verification
     prefetched_pages: int = 0  # L3 -> host reads started for queued requests
+    gave_up_reads: int = 0  # requests that stopped waiting for disk reads at their deadline and computed instead
     deferred_pages: int = 0  # new GPU pages whose write-through copy to host waited for memory pressure or idle
     eviction_backups: int = 0  # GPU pages copied to host as they were evicted (compute waits for those copies)
     backup_waits: int = 0  # GPU pages freed while their copy to host was in flight: the compute stream waited for it
@@ -50,6 +51,7 @@ class CacheStats:
             "drops": dict(self.drops),
             "load_failures": self.load_failures,
             "prefetched_pages": self.prefetched_pages,
+            "gave_up_reads": self.gave_up_reads,
             "deferred_pages": self.deferred_pages,
             "eviction_backups": self.eviction_backups,
             "backup_waits": self.backup_waits,

@@ -76,6 +76,10 @@ class L3Config:
     queue_pages: int = 4096  # bounded queue of pending L3 writes; beyond it they wait in the controller, unpinned
     sync_batch_pages: int | None = None  # pages per fdatasync + index commit; None: max(32, 64 MiB of pages)
     admission_hits: int = 0  # write a page to L3 only after it was hit this many times (0 = always)
+    # bandwidth caps of the store in GB/s (0: none), token buckets in the store: emulate an NVMe of a given speed on
+    # tmpfs, or keep this server to its share of a disk that several use (tiers/l3/ratelimit.py)
+    read_limit_gbps: float = 0.0
+    write_limit_gbps: float = 0.0
     # where the store's I/O, checksums and index commits run: "process" (a process of its own, reading and writing
     # the host pool through shared memory: no interpreter lock shared with the engine thread), "thread" (threads
     # of the server's process), or "auto": process with a CUDA model unless GPUDirect Storage is active
@@ -282,6 +286,8 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     _positive(c.l3.queue_pages, "cache.l3.queue_pages", source)
     _positive(c.l3.sync_batch_pages, "cache.l3.sync_batch_pages", source)
     _positive(c.l3.admission_hits, "cache.l3.admission_hits", source, allow_zero=True)
+    _positive(c.l3.read_limit_gbps, "cache.l3.read_limit_gbps", source, allow_zero=True)
+    _positive(c.l3.write_limit_gbps, "cache.l3.write_limit_gbps", source, allow_zero=True)
     if c.remote.url is not None:
         from tiers.persistent import remote_name
         from tiers.remote import RemoteError

@@ -415,6 +415,19 @@ class RadixTree:
                 self._leaves[ti].add(parent)
                 self._push(ti, parent)
 
+    def unassign(self, node: TreeNode, tier: str) -> list[Any]:
+        """Take back the page ids of `tier` that a load was to fill, when the load will not fill them (a request
+        gave up waiting for its disk read); returns them for the caller to free. No data leaves, so unlike
+        `clear_location` it ignores locks and children; the node must keep another copy."""
+        ti = _TIER_INDEX[tier]
+        pages = node.loc[ti]
+        if pages is None:
+            raise ValueError(f"{node} is not resident in {tier}")
+        if all(loc is None for i, loc in enumerate(node.loc) if i != ti):
+            raise ValueError(f"{node}: unassigning {tier} would leave it in no tier")
+        self._unset_loc(node, ti)
+        return pages
+
     def remove_subtree(self, node: TreeNode) -> list[TreeNode]:
         """Remove an unlocked node and everything below it, whatever their tiers.
 

@@ -86,6 +86,7 @@ class Request:
     prefetched: bool = False  # its disk-only prefix pages were sent towards host memory while it queued
     prefetch_hold: Any = None  # the controller's PrefetchHold while it queues (released on admission)
     awaiting_loads: bool = False  # its committed pages were deduplicated onto pages still loading: not planned
+    load_deadline: float = float("inf")  # while LOADING: when it stops waiting for disk reads (Scheduler.settle)
     needs_stream_wait: bool = False
     generator: Any = None
     detokenizer: Any = None

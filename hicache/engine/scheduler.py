@@ -64,6 +64,7 @@ class Scheduler:
         self._admissions = itertools.count()
         self._starved = False  # ran out of GPU pages: admit nothing new until a request leaves
         self.preemptions = 0
+        self.clock = time.monotonic  # deadlines for disk reads (replaceable in tests)
 
     # ------------------------------------------------------------------ queues
 
@@ -149,6 +150,7 @@ class Scheduler:
 
     def settle(self) -> None:
         """Move requests whose loads finished to RUNNING; retry failed loads; release drained tickets."""
+        now = self.clock()
         for req in list(self.loading):
             if req.ticket.failed:  # an L3 read failed verification: the controller drops those pages
                 self.loading.remove(req)
@@ -156,6 +158,9 @@ class Scheduler:
                 self._release(failed)
                 self._acquire(req, replaces=failed)
             elif req.ticket.prefix_ready():  # the whole prefix, or what precedes its gap
+                self.loading.remove(req)
+                self._start(req)
+            elif now >= req.load_deadline and self._give_up_reads(req):
                 self.loading.remove(req)
                 self._start(req)
         for ticket in list(self.draining):
@@ -269,18 +274,48 @@ class Scheduler:
         req.computed = req.committed_pages * ps  # tokens [0, computed) are cached
         req.needs_stream_wait = any(tier != DEVICE for tier in ticket.hit_pages)
         if req.cached_tokens is None or req.status is Status.LOADING:  # first admission (or its retry)
-            req.cached_tokens = {tier: pages * ps for tier, pages in ticket.hit_pages.items()}
-            if req.gap_tokens and DEVICE in req.cached_tokens:  # its own gap, committed before a failed load
-                req.cached_tokens[DEVICE] = max(0, req.cached_tokens[DEVICE] - req.gap_tokens)
+            self._note_hits(req)
         if ticket.prefix_ready() and not ticket.failed:
             self._start(req)
         else:
             self._wait_for_loads(req)
 
     def _wait_for_loads(self, req: Request) -> None:
-        """req waits in LOADING until its ticket's loads land (settle moves it back to RUNNING)."""
+        """req waits in LOADING until its ticket's loads land (settle moves it back to RUNNING), or until its
+        deadline for disk reads: as long as the GPU would take to get to it and recompute those pages.
+
+        Waiting costs the GPU nothing while it has other requests' prefill queued, and every page the disk delivers
+        is a page it does not compute; past the deadline the request would have had its first token sooner by
+        computing, so it takes what has landed and computes the rest (`_give_up_reads`)."""
         req.status = Status.LOADING
         self.loading.append(req)
+        wait = self.ctrl.pending_read_seconds(req.ticket)
+        if wait != float("inf"):
+            wait += sum(self.ctrl.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
+        req.load_deadline = self.clock() + wait
+
+    def _give_up_reads(self, req: Request) -> bool:
+        """req passed its deadline: stop waiting for its disk reads (they land in host memory for later) and run
+        with the prefix that is on the GPU; False if there was nothing to give up."""
+        residual = self.ctrl.give_up_reads(req.ticket)
+        if residual is None:
+            return False
+        self.draining.append(residual)  # released once the transfers under the old end of the prefix settle
+        ticket = req.ticket
+        req.pages = ticket.prefix_pages()
+        req.committed_pages = len(req.pages)
+        req.computed = req.committed_pages * self.page_size
+        req.needs_stream_wait = True
+        self._note_hits(req)
+        logger.debug("%s gave up waiting for disk reads: computes from token %d", req.request_id, req.computed)
+        return True
+
+    def _note_hits(self, req: Request) -> None:
+        """The cached tokens per tier that req's response reports, from its ticket."""
+        ps = self.page_size
+        req.cached_tokens = {tier: pages * ps for tier, pages in req.ticket.hit_pages.items()}
+        if req.gap_tokens and DEVICE in req.cached_tokens:  # its own gap, committed before a failed load
+            req.cached_tokens[DEVICE] = max(0, req.cached_tokens[DEVICE] - req.gap_tokens)
 
     def _start(self, req: Request) -> None:
         req.status = Status.RUNNING

@@ -35,6 +35,8 @@ CACHE_COUNTERS = (
     ("hicache_recomputed_tokens", "Cached tokens recomputed because loading cost more", "recomputed_tokens"),
     ("hicache_l3_load_failures", "L3 reads that missed or failed verification", "load_failures"),
     ("hicache_l3_prefetched_pages", "L3 -> host reads started for queued requests", "prefetched_pages"),
+    ("hicache_l3_gave_up_reads", "Requests that stopped waiting for disk reads at their deadline (as long as "
+     "recomputing would take) and computed those pages instead", "gave_up_reads"),
     ("hicache_deferred_backup_pages", "New GPU pages whose write-through copy to host waited for memory pressure "
      "or idle", "deferred_pages"),
     ("hicache_eviction_backup_pages", "GPU pages copied to host as they were evicted (the compute stream waits "
@@ -159,6 +161,15 @@ class CacheCollector:
             for name in L3_COUNTERS:
                 ops.add_metric([name], l3.get(name, 0))
             yield ops
+            limit = GaugeMetricFamily("hicache_l3_rate_limit_gbps", "The store's bandwidth cap in GB/s (0: none; "
+                                      "cache.l3.read_limit_gbps / write_limit_gbps)", labels=["direction"])
+            waited = CounterMetricFamily("hicache_l3_rate_limit_wait_seconds", "Seconds the store's I/O threads "
+                                         "slept to keep to its bandwidth cap", labels=["direction"])
+            for direction in ("read", "write"):
+                limit.add_metric([direction], l3.get(f"{direction}_limit_gbps", 0.0))
+                waited.add_metric([direction], l3.get(f"{direction}_limit_wait_s", 0.0))
+            yield limit
+            yield waited
             if "restarts" in l3:  # the store runs in a process of its own (controller/l3_process.py)
                 yield CounterMetricFamily("hicache_l3_process_restarts", "L3 processes started again after one died",
                                           value=l3["restarts"])

@@ -17,11 +17,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def l3_engine(tiny, path, **dotted):
-    """An engine over an L3 store at `path` (tiers of 512 / 512 / 1024 tokens unless `dotted` says otherwise)."""
+    """An engine over an L3 store at `path` (tiers of 512 / 512 / 1024 tokens unless `dotted` says otherwise). Its
+    scheduler's clock stands still: with the costs configured here a real read may outlast its deadline on a busy
+    machine, and the tests of deadlines move the clock themselves."""
     config = {"cache__page_size": PAGE, "cache__device__size_tokens": 512, "cache__host__size_tokens": 512,
               "cache__l3__path": str(path), "cache__l3__size_gib": None, "cache__l3__size_tokens": 1024,
               "cache__write_policy__host_to_disk": "write_through"}
-    return make_engine(tiny, **{**config, **dotted})
+    engine = make_engine(tiny, **{**config, **dotted})
+    engine.scheduler.clock = lambda: 0.0
+    return engine
 
 
 def slow_disk_engine(tiny, path, **dotted):
@@ -88,7 +92,8 @@ def hold_reads(engine, fail: bool = False) -> threading.Event:
 
 
 def run_gap_then_release(engine, go: threading.Event):
-    """Step until A has computed its gap and waits for its tail; then let the reads finish."""
+    """Step until A has computed its gap and waits for its tail; then let the reads finish. The scheduler's clock
+    stands still (l3_engine), so A waits for its tail however slowly the steps run."""
     engine.add_request("a", A, GREEDY)
     req = engine.requests["a"]
     results = {}
@@ -141,5 +146,91 @@ def test_abort_mid_gap_keeps_the_computed_pages(tiny, tmp_path):
     assert m.device_pages >= 4  # the gap pages computed before the abort are cached
     ids, _, _ = generate(engine, "b")
     assert ids == want
+    assert_no_leaks(engine)
+    engine.close()
+
+
+class StepClock:
+    """A scheduler clock that moves only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stuck_tail_read_delays_the_request_no_longer_than_recomputing_it(tiny, tmp_path):
+    """The tail's reads never land while the request waits: once the time to recompute them has passed, it computes
+    them itself, with the same greedy output; the reads land in host memory later, for the next request."""
+    want = reference(tiny, tmp_path)
+    engine = overlap_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)
+    clock = StepClock()
+    engine.scheduler.clock = clock
+    go = hold_reads(engine)
+    engine.add_request("a", A, GREEDY)
+    req = engine.requests["a"]
+    for _ in range(50):
+        engine.step()
+        if req.status is Status.LOADING and req.ticket.gap is None:
+            break
+    assert req.status is Status.LOADING and req.computed == 15 * PAGE
+    # the tail is 5 pages at 4 ms each to recompute, and nothing else is running: the deadline is 20 ms away
+    assert req.load_deadline == clock.now + engine.cache.controller.cost.compute_seconds(10, 15)
+    clock.now = req.load_deadline - 1e-6
+    engine.step()
+    assert req.status is Status.LOADING  # not yet
+    clock.now = req.load_deadline
+    ids, out = [], None
+    for _ in range(100):  # until A finishes (run_all would also wait for the reads it gave up)
+        for o in engine.step():
+            ids += o.new_token_ids
+            out = o
+        engine.cache.controller.check_integrity()
+        if req.status is Status.FINISHED:
+            break
+    assert ids == want
+    assert out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 0, "remote": 0}  # the tail was computed
+    cache = engine.stats()["cache"]
+    assert cache["gave_up_reads"] == 1
+    assert cache["recomputed_tokens"] == 15 * PAGE  # the gap, then the tail
+    assert engine.scheduler.draining  # the abandoned reads are still in flight, under the old lock
+    go.set()
+    run_all(engine)  # drains once the reads land
+    assert not engine.scheduler.draining
+    tree = engine.cache.controller.tree
+    m = tree.match_prefix(A, touch=False)
+    assert m.device_pages == 15  # the pages the request computed
+    assert sum(n.num_pages for n in tree.nodes() if n.on_host) >= 5  # and the reads' pages landed in host memory
+    assert_no_leaks(engine)
+    ids, _, out = generate(engine, "b")
+    assert ids == want and out.usage.cached_tokens["device"] == 60
+    engine.close()
+
+
+def test_a_stuck_prefix_read_gives_way_to_compute(tiny, tmp_path):
+    """Load mode always, the prefix only on L3, its reads stuck: past the deadline the request computes it all."""
+    want = reference(tiny, tmp_path)
+    engine = slow_disk_engine(tiny, tmp_path / "l3", cache__load_policy__mode="always")
+    clock = StepClock()
+    engine.scheduler.clock = clock
+    go = hold_reads(engine)
+    engine.add_request("a", A, GREEDY)
+    req = engine.requests["a"]
+    engine.step()
+    assert req.status is Status.LOADING
+    assert req.load_deadline == engine.cache.controller.cost.compute_seconds(0, 15)
+    for _ in range(3):
+        engine.step()
+    assert req.status is Status.LOADING and not engine.scheduler.draining
+    clock.now = 1.0
+    first = [t for o in engine.step() for t in o.new_token_ids]
+    assert req.status is Status.RUNNING and req.computed == len(A)  # computed all of it in that step
+    assert engine.scheduler.draining  # the reads it gave up still hold their lock
+    go.set()
+    ids, _, out = run_all(engine)["a"]
+    assert first + ids == want and out.usage.total_cached_tokens == 0
+    assert engine.stats()["cache"]["hit_tokens"]["disk"] == 0  # the hits counted at admission were taken back
+    assert not engine.scheduler.draining
     assert_no_leaks(engine)
     engine.close()

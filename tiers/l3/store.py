@@ -32,6 +32,7 @@ from tiers.l3.format import (
 from tiers.l3.index import index_map_bytes, move_aside, open_index
 from tiers.l3.io import KvikioSlotIO, PosixSlotIO, kvikio_compat_mode, kvikio_usable
 from tiers.l3.lockfile import WriterLock, prepare_directory
+from tiers.l3.ratelimit import TokenBucket
 from tiers.l3.slab import SlabFile, create_slab, read_header, slab_path
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class L3Store:
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, page_bytes: int, namespace: bytes,
                  io_backend: str = "auto", io_threads: int = 4, sync_batch_pages: int = 32,
                  admission_hits: int = 0, read_only: bool = False, max_io_bytes: int = 16 << 20,
-                 degraded_retry_s: float = 30.0) -> None:
+                 degraded_retry_s: float = 30.0, read_limit_bytes_per_s: float = 0.0,
+                 write_limit_bytes_per_s: float = 0.0) -> None:
         self.path = os.path.abspath(os.fspath(path))
         if io_backend not in IO_BACKENDS:
             raise L3Error(errno.EINVAL, f"{self.path}: io_backend {io_backend!r} not in {IO_BACKENDS}")
@@ -92,6 +94,9 @@ class L3Store:
         self._dirty_access: set[bytes] = set()
         self._last_stamp = 0  # access times are strictly increasing, so LRU order survives a reopen
         self._admission = admission_policy(admission_hits)
+        # bandwidth caps (0: none): an NVMe of a given speed emulated on tmpfs, or this server's share of a disk
+        self._read_limit = TokenBucket(read_limit_bytes_per_s)
+        self._write_limit = TokenBucket(write_limit_bytes_per_s)
         self._state = "read_only" if read_only else "ok"
         self._degraded_at = 0.0
         self._writer_lock: WriterLock | None = None
@@ -309,6 +314,7 @@ class L3Store:
                 if self._state == "degraded":
                     self._finish_writes(keys, group, group_slots, [None] * len(group), results)
                     continue
+                self._write_limit.take(len(group) * self.page_bytes)
                 outcomes = self._io.write(group_slots, [pages[i] for i in group])
                 if previous is not None:
                     previous.result()
@@ -343,6 +349,7 @@ class L3Store:
                 plan.append((i, entry.slot, entry.checksum))
         if not plan:
             return results
+        self._read_limit.take(len(plan) * self.page_bytes)
         outcomes = self._io.read([slot for _, slot, _ in plan], [out[i] for i, _, _ in plan])
         bad: list[tuple[bytes, int]] = []
         with self._lock:
@@ -423,6 +430,8 @@ class L3Store:
                 "capacity_bytes": self.capacity_pages * self.page_bytes, "page_bytes": self.page_bytes,
                 "slot_bytes": self._header.slot_bytes, "free_pages": len(self._free),
                 "format_version": FORMAT_VERSION, "io_backend": self._io_name, "state": self._state,
+                "read_limit_gbps": self._read_limit.rate / 1e9, "write_limit_gbps": self._write_limit.rate / 1e9,
+                "read_limit_wait_s": self._read_limit.waited_s, "write_limit_wait_s": self._write_limit.waited_s,
                 **self._counters,
             }
 
