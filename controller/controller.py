@@ -32,6 +32,7 @@ from controller.loads import Loads
 from controller.lookup import Lookup
 from controller.policy import WritePolicy
 from controller.ports import L3, NO_HOST, NO_L3, NO_WORKER, Copier, HostPool, InstantCopier, Pool
+from controller.reuse import ReuseFilter, reuse_memory
 from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import Transfers
@@ -40,9 +41,6 @@ from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 from tiers.copy import LaunchLater
 
 logger = logging.getLogger(__name__)
-
-# weight of each new prompt in `typical_prompt_pages` (about the last 20 requests count)
-PROMPT_AVERAGE_WEIGHT = 0.05
 
 
 class TierController:
@@ -65,6 +63,7 @@ class TierController:
         disk_capacity_pages: int | None = None,
         prefetch: bool = True,
         launch_later: bool = False,
+        prefetch_host_share: float = 0.5,
     ):
         if l3 is not None and host is None:
             raise ValueError("the disk tier needs a host tier: pages reach L3 through host memory")
@@ -87,46 +86,16 @@ class TierController:
         to_host = tier_writes(policy.device_to_host, policy, deferrable=True) if host is not None else NoWrites()
         to_disk = tier_writes(policy.host_to_disk, policy) if l3 is not None else NoWrites()
         self.writes = Writes(tree, device, self.host, self.l3, self.copier, self.worker, self.eviction,
-                             self.transfers, self.stats, to_host, to_disk, self.page_bytes)
+                             self.transfers, self.stats, to_host, to_disk, self.page_bytes, policy.l3_host_share,
+                             ReuseFilter(policy.l3_admit, reuse_memory(self.host.capacity_pages, disk_capacity)))
         self.loads = Loads(tree, device, self.host, self.copier, self.worker, self.eviction, self.transfers,
                            self.stats, cost or CostModel(tree.page_size, device.page_bytes),
-                           prefetch and l3 is not None, shared_pages=getattr(self.l3, "shared_pages", None))
+                           prefetch and l3 is not None, shared_pages=getattr(self.l3, "shared_pages", None),
+                           staging_share=prefetch_host_share)
         self._private: set[int] = set()  # GPU pages handed to callers, not yet in the tree
         # counts the events that can give host memory back to a prefetch (a ticket or hold released, I/O applied):
         # a hold that stopped short is not asked again until one has happened (see `prefetch`)
         self.host_room_version = 0
-        self._disk_paid: bool | None = None  # the last answer of `_disk_writes_pay`, to log its changes
-        # prompt length in pages, a moving average over requests: the depth the L3 write gate judges loads at
-        self.typical_prompt_pages = 0.0  # 0 until the first prompt
-        self._prompts_seen = 0
-        # the disk bandwidth the model started with (calibrated at startup, or configured): see `_disk_writes_pay`
-        self._disk_bw_start = self.loads.cost.disk_to_device_bytes_per_s
-        if policy.l3_only_if_loads_pay:
-            self.writes.disk_pays = self._disk_writes_pay
-
-    def _disk_writes_pay(self) -> bool:
-        """Whether the cost model would load pages from the L3 (WritePolicy.l3_only_if_loads_pay); logs changes.
-
-        The L3 is judged at the better of its starting bandwidth and the one measured since: a congested spell
-        that drags the estimate down must not stop the writes for good (with nothing new written, and loads
-        refused, no read would ever raise the estimate again). It is judged on a prefix as long as the prompts
-        served (`typical_prompt_pages`): recomputing a page costs more the deeper it sits, so a store can pay
-        for long prompts and not for short ones."""
-        cost = self.loads.cost
-        bw = max(cost.disk_to_device_bytes_per_s or 0.0, self._disk_bw_start or 0.0) or None
-        depth = max(1, round(self.typical_prompt_pages or 1))
-        pays = cost.mode != "auto" or cost.loads_pay(DISK, bw, depth)
-        if pays != self._disk_paid:
-            if not pays:
-                logger.warning("L3 writes paused: loading a %d-page prompt's pages from it (%.2f ms a page at "
-                               "%.3g GB/s) costs more than recomputing them (%.2f ms a page on average), so nothing "
-                               "written would be read back (cache.write_policy.l3_only_if_loads_pay)", depth,
-                               1e3 * cost.page_bytes / (bw or 1.0), (bw or 0.0) / 1e9,
-                               1e3 * cost.compute_seconds(0, depth) / depth)
-            elif self._disk_paid is not None:
-                logger.info("L3 writes resumed: loading a page from it pays again")
-            self._disk_paid = pays
-        return pays
 
     @property
     def cost(self) -> CostModel:
@@ -136,7 +105,6 @@ class TierController:
     @cost.setter
     def cost(self, cost: CostModel) -> None:
         self.loads.cost = cost
-        self._disk_bw_start = cost.disk_to_device_bytes_per_s
 
     @property
     def prefetch_enabled(self) -> bool:
@@ -188,12 +156,6 @@ class TierController:
         m = self.match(tokens)
         if replaces is None:
             self.stats.prompt_tokens += len(tokens)
-            pages = len(tokens) / self.page_size
-            # the plain mean of the first 1/weight prompts, then a moving average: one short first request (a health
-            # probe) must not stand for the workload's prompts for the next dozens
-            self._prompts_seen += 1
-            weight = max(PROMPT_AVERAGE_WEIGHT, 1 / self._prompts_seen)  # 1 for the first: the average is it
-            self.typical_prompt_pages += weight * (pages - self.typical_prompt_pages)
         else:
             for tier, pages in replaces.hit_pages.items():
                 self.stats.hit_tokens[tier] -= pages * self.page_size
@@ -256,7 +218,7 @@ class TierController:
         self.tree.lock(node)
         self.tree.unlock(ticket.node)
         ticket.node = node
-        self.writes.committed(path[::-1])
+        self.writes.committed(path[::-1], continues_hit=ticket.matched_pages > 0)
         return ticket.device_pages()
 
     def commit_gap(self, ticket: LoadTicket, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
@@ -277,7 +239,7 @@ class TierController:
             raise AssertionError(f"commit_gap: tokens do not follow the ticket's path ({node})")
         ticket.gap = (end, s) if end < s else None
         part = ticket.part(k, end)
-        self.writes.committed(part)
+        self.writes.committed(part, continues_hit=True)  # a gap lies inside a cached prefix
         return [p for n in part for p in n.device_pages]
 
     def _insert(self, tokens: Sequence[int], pages: Sequence[int], start: TreeNode) -> TreeNode:

@@ -23,6 +23,9 @@ from controller.transfers import FAILED, PENDING_COPY, PREFETCHED, DiskLoad, Tra
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 
 READ_ESTIMATE_HALF_LIFE_S = 5.0  # how fast the disk bandwidth estimate forgets old reads
+# a disk read is at most this many bytes: a long prefix lands in parts (0.13 s each at 2 GB/s), so a request that
+# stops waiting at its deadline (Loads.give_up_reads) keeps the parts that landed
+READ_CHUNK_BYTES = 256 << 20
 
 
 def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
@@ -41,7 +44,7 @@ class Loads:
 
     def __init__(self, tree: RadixTree, device: Pool, host: HostPool, copier: Copier, worker: L3Worker,
                  eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool,
-                 shared_pages: Callable[[Sequence[bytes]], int] | None = None):
+                 shared_pages: Callable[[Sequence[bytes]], int] | None = None, staging_share: float = 0.5):
         self.tree = tree
         self.shared_pages = shared_pages  # how many of these disk keys only the shared tier holds (REMOTE hits)
         self.device = device
@@ -56,6 +59,13 @@ class Loads:
         self.page_bytes = device.page_bytes
         self.prefetch_enabled = prefetch and cost.mode != "never"  # the caller says whether there is a disk tier
         self.prefetching = 0  # pages read by prefetch holds not yet released
+        self.request_reads = 0  # host pages that reads started by tickets are filling
+        self._reads_before = 0  # request_reads when the ticket being acquired started: a lone ticket always reads
+        self.read_chunk_pages = max(1, READ_CHUNK_BYTES // max(1, self.page_bytes))
+        # host pages for disk traffic (cache.load_policy.prefetch_host_share), so that GPU -> host copies of new
+        # pages always find room: a prefetch starts only while reads in flight and prefetched pages held stay
+        # within it, and a request's reads only while other requests' reads do (a lone request always reads)
+        self.staging_pages = int(staging_share * host.capacity_pages)
         self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
         self._read_busy_until = 0.0  # end of the last read interval seen (see _observe_disk_read)
         self._read_window: tuple[float, float, float | None] = (0.0, 0.0, None)  # decayed bytes, busy s, last end
@@ -96,6 +106,7 @@ class Loads:
             plan = LoadPlan(want, want, want)
         k, s = plan.k, plan.s
         nodes = self._split_at(self._split_at(self._cut(usable, plan.n), k), s)
+        nodes = [part for node in nodes for part in (self._chunks(node) if self._reads_from_disk(node) else [node])]
         # where the bytes come from: prefetched pages count as disk hits
         tiers = [DEVICE if n.on_device else HOST if n.on_host and not self.transfers.prefetched(n) else DISK
                  for n in nodes]
@@ -104,6 +115,7 @@ class Loads:
         self.tree.lock(ticket.node)
         pos = 0
         copies: list[TreeNode] = []
+        self._reads_before = self.request_reads
         spare = self._allocate_loads(nodes, k, s)
         for i, node in enumerate(nodes):
             if not k <= pos < s and not node.on_device and not self._load_node(node, copies, spare):
@@ -208,6 +220,19 @@ class Loads:
             del ticket.hit_pages[tier]
         self.stats.hit_tokens[tier] -= pages * self.page_size
 
+    def _chunks(self, node: TreeNode) -> list[TreeNode]:
+        """The node split into parts of at most `read_chunk_pages`, top-down: each is read as one call, so a long
+        prefix lands part by part and a request that stops waiting keeps what has landed."""
+        parts = []
+        while node.num_pages > self.read_chunk_pages:
+            parts.append(self.tree.split(node, self.read_chunk_pages))  # the upper part: the first pages
+        parts.append(node)
+        return parts
+
+    def _reads_from_disk(self, node: TreeNode) -> bool:
+        """Whether loading the node starts a disk read (only on disk, no read in flight)."""
+        return not node.on_device and not node.on_host and self.transfers.disk_load(node) is None
+
     def _cut(self, nodes: list[TreeNode], pages: int) -> list[TreeNode]:
         """The leading nodes covering exactly `pages` pages (splitting the last one if needed)."""
         out: list[TreeNode] = []
@@ -282,6 +307,10 @@ class Loads:
             self.transfers.set(node, PENDING_COPY)  # its host copy must outlive the allocations of the nodes after it
             self.stats.moved(HOST, DEVICE, n, self.page_bytes)
         else:
+            if self._reads_before and self.request_reads + n > self.staging_pages:
+                self.device.free(dev)  # other requests' reads hold the staging share: compute these pages instead
+                self.stats.drops["host_staging_full_on_load"] += n
+                return False
             host_pages = self.eviction.allocate(HOST, n)
             if host_pages is None:
                 self.device.free(dev)
@@ -292,6 +321,8 @@ class Loads:
         return True
 
     def _read(self, node: TreeNode, load: DiskLoad) -> None:
+        if load.for_request:
+            self.request_reads += len(load.host_pages)
         self.transfers.set(node, load)
         self.transfers.loading[node.id] = node
         self.worker.submit_read(node, node.disk_keys, page_buffers(self.host, load.host_pages))
@@ -335,26 +366,36 @@ class Loads:
         limit = self.cost.pages_to_load([(HOST if tier == DISK else tier, n) for tier, n in runs])
         if max_pages is not None:
             limit = min(limit, max_pages)
-        budget = self.host.capacity_pages // 2 - self.prefetching
+        budget = self.staging_pages - self.prefetching - self.request_reads
+        candidates: list[tuple[TreeNode, str]] = []
+        pos = 0
+        for node, tier in m.segments:
+            if self.transfers.unusable(node) or pos >= limit:
+                break
+            pos += node.num_pages
+            candidates.append((node, tier))
+        if self.cost.overlap:  # deepest first: what lands is the tail, and the request computes the cheap head
+            candidates.reverse()
         self.tree.lock(m.last_node)  # host room is made from other pages than this prefix's
-        pos, started = 0, 0
+        started = 0
         try:
-            for node, tier in m.segments:
-                if self.transfers.unusable(node) or pos >= limit:
-                    break
-                pos += node.num_pages
-                n = node.num_pages
+            for node, tier in candidates:
                 if id(node) in held:
                     continue
                 if not node.on_device and ((self.transfers.prefetched(node) and node.on_host)
                                            or self.transfers.disk_load(node) is not None):
                     self.tree.pin(node)  # brought in (or coming) for another queued request: hold it too
                     hold.pins.append((node, 0))
-                elif tier == DISK and not node.on_host:
+                    continue
+                if tier != DISK or node.on_host:
+                    continue
+                chunks = self._chunks(node)
+                for chunk in reversed(chunks) if self.cost.overlap else chunks:
+                    n = chunk.num_pages
                     if n > budget - started:
                         # short (worth asking again) unless it could not fit even with every other hold released
                         own = sum(k for _, k in hold.pins)
-                        hold.short = n <= self.host.capacity_pages // 2 - own
+                        hold.short = n <= self.staging_pages - own
                         break
                     host_pages = self.eviction.allocate(HOST, n)
                     if host_pages is None:
@@ -362,11 +403,13 @@ class Loads:
                             self.stats.drops["host_full_on_prefetch"] += n
                         hold.short = True
                         break
-                    self._read(node, DiskLoad(host_pages, to_device=False, prefetch=True, eta=self._disk_eta(n)))
-                    self.tree.pin(node)
+                    self._read(chunk, DiskLoad(host_pages, to_device=False, prefetch=True, eta=self._disk_eta(n)))
+                    self.tree.pin(chunk)
                     self.prefetching += n
                     started += n
-                    hold.pins.append((node, n))
+                    hold.pins.append((chunk, n))
+                if hold.short:
+                    break
         finally:
             self.tree.unlock(m.last_node)
         hold.started += started
@@ -388,6 +431,8 @@ class Loads:
         node: TreeNode = c.token
         self.transfers.loading.pop(node.id, None)
         load = self.transfers.disk_load(node)
+        if load.for_request:
+            self.request_reads -= len(load.host_pages)
         parts = self._pieces(node, lambda p: self.transfers.get(p) is load)  # the node may have been split
         n = len(c.results)
         if all(c.results):

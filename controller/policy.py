@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controller.reuse import ADMIT_MODES
+
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
@@ -20,11 +22,13 @@ class WritePolicy:
     # copy waits (it is started when free pages fall to this share, when the page is evicted, or when the engine
     # idles). 1.0: copy every page as soon as it is computed.
     defer_above_free: float = 0.25
-    # host_to_disk: write nothing to the L3 (or the shared tier behind it) while the cost model, in mode auto,
-    # would load none of it: loading a page from it costs more than recomputing the page. Those writes cost disk
-    # bandwidth and engine time and this server never reads them back. False: write anyway (a store kept for
-    # servers whose costs differ, or for a restart on faster hardware).
-    l3_only_if_loads_pay: bool = True
+    # host_to_disk: which pages the L3 (and the shared tier behind it) takes. "reuse": pages likely to be read
+    # again (hit, continuing a hit, or computed twice: controller/reuse.py), so a workload without reuse costs the
+    # disk nothing; "all": every page the write policy sends
+    l3_admit: str = "reuse"
+    # host_to_disk: queued L3 writes pin at most this share of the host pool; further writes wait, unpinned, for
+    # their turn, so a disk slower than the stream of new pages never leaves GPU -> host copies without room
+    l3_host_share: float = 0.125
 
     def __post_init__(self) -> None:
         for name in ("device_to_host", "host_to_disk"):
@@ -32,13 +36,18 @@ class WritePolicy:
                 raise ValueError(f"write policy {name}={getattr(self, name)!r}; choices: {list(WRITE_POLICIES)}")
         if not 0.0 <= self.defer_above_free <= 1.0:
             raise ValueError(f"defer_above_free must be in [0, 1], got {self.defer_above_free}")
+        if self.l3_admit not in ADMIT_MODES:
+            raise ValueError(f"write policy l3_admit={self.l3_admit!r}; choices: {list(ADMIT_MODES)}")
+        if not 0.0 < self.l3_host_share <= 1.0:
+            raise ValueError(f"l3_host_share must be in (0, 1], got {self.l3_host_share}")
         if self.selective_hits < 1:
             raise ValueError(f"selective_hits must be >= 1, got {self.selective_hits}")
 
     @classmethod
     def eager(cls, host_to_disk: str = "write_through") -> WritePolicy:
-        """Every page copied down as soon as it is computed: write-through on both tiers, nothing deferred."""
-        return cls("write_through", host_to_disk, defer_above_free=1.0)
+        """Every page copied down as soon as it is computed: write-through on both tiers, nothing deferred, every
+        page admitted to the L3, and no cap on the host pages queued writes pin."""
+        return cls("write_through", host_to_disk, defer_above_free=1.0, l3_admit="all", l3_host_share=1.0)
 
     @property
     def defers_backups(self) -> bool:

@@ -53,8 +53,10 @@ class DiskLoad:
     """An L3 -> host read in flight for a node.
 
     `to_device`: the read continues to the node's GPU pages (a request's load); a prefetch for a queued
-    request stops in host memory unless a request claims the node before the read lands. `prefetch`: started
-    for a queued request (its node is pinned by a PrefetchHold; a request's loads are locked by its ticket).
+    request stops in host memory unless a request claims the node before the read lands. `prefetch`: it lands
+    as a prefetched host copy: started for a queued request (its node is pinned by a PrefetchHold; a request's
+    loads are locked by its ticket), or given up by the request that started it (Loads.give_up_reads).
+    `for_request`: started by a request's ticket, not by a hold (host staging counts it apart).
     `eta`: when the read is expected to land (monotonic seconds; the cost model's view of the disk queue).
     """
 
@@ -62,6 +64,7 @@ class DiskLoad:
         self.host_pages = host_pages
         self.to_device = to_device
         self.prefetch = prefetch
+        self.for_request = not prefetch
         self.eta = eta
 
     def done(self) -> bool:

@@ -15,8 +15,8 @@ queue refuses waits, oldest first, until the queue has room (`drain_waiting`, ea
 pages (a long first prompt) outrun the disk for a while without losing their writes. Only a page that
 leaves host memory before its turn comes is dropped then, as `l3_queue_full`. A write that
 cannot be made is dropped and counted in `stats.drops` by reason: `host_full`, `l3_queue_full`,
-`disk_full`, `l3_gone` (the L3 process died), `load_slower_than_recompute` (the cost model would never load it:
-`WritePolicy.l3_only_if_loads_pay`), and for what the L3 store refuses `not_admitted` (its admission rule,
+`disk_full`, `l3_gone` (the L3 process died), `not_reused` (nothing suggests it will be read again:
+`WritePolicy.l3_admit`, controller/reuse.py), and for what the L3 store refuses `not_admitted` (its admission rule,
 `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
 """
 
@@ -25,12 +25,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from controller.eviction import Eviction
 from controller.l3_io import Completion, L3Worker
 from controller.policy import WritePolicy
 from controller.ports import L3, Copier, HostPool, Pool, page_buffers
+from controller.reuse import ReuseFilter
 from controller.stats import CacheStats
 from controller.transfers import Transfers
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
@@ -135,7 +136,8 @@ class Writes:
 
     def __init__(self, tree: RadixTree, device: Pool, host: HostPool, l3: L3, copier: Copier,
                  worker: L3Worker, eviction: Eviction, transfers: Transfers, stats: CacheStats,
-                 to_host: TierWrites, to_disk: TierWrites, page_bytes: int):
+                 to_host: TierWrites, to_disk: TierWrites, page_bytes: int, staging_share: float = 1.0,
+                 reuse: ReuseFilter | None = None):
         self.tree = tree
         self.device = device
         self.host = host
@@ -148,8 +150,11 @@ class Writes:
         self.to_host = to_host
         self.to_disk = to_disk
         self.page_bytes = page_bytes
+        # host pages that queued L3 writes may pin (WritePolicy.l3_host_share): the rest of host memory stays room
+        # for GPU -> host copies and reads, however slowly the disk drains its queue
+        self.staging_pages = max(1, int(staging_share * host.capacity_pages))
         # the largest write the L3 queue takes whole: a larger node is written in parts
-        self.max_write_pages = max(1, worker.queue_pages)
+        self.max_write_pages = max(1, min(worker.queue_pages, self.staging_pages))
         self.deferred: deque[TreeNode] = deque()  # committed nodes whose copy to host waits (oldest first)
         self.flush_slice_pages = max(1, FLUSH_SLICE_BYTES // max(1, page_bytes))  # see FLUSH_SLICE_BYTES
         self._flush_budget = self.flush_slice_pages  # backlog pages this step may still start (begin_step renews)
@@ -161,13 +166,15 @@ class Writes:
         tree.split_listeners.append(self._split)
         eviction.hook = self
         eviction.write_pending = lambda node: node.id in self._waiting
-        # whether L3 writes may pay back (the controller asks its cost model; WritePolicy.l3_only_if_loads_pay)
-        self.disk_pays: Callable[[], bool] = lambda: True
+        # which pages the L3 takes: those likely to be read again (WritePolicy.l3_admit)
+        self.reuse = reuse if reuse is not None else ReuseFilter("all")
 
     # ------------------------------------------------------------------ events
 
-    def committed(self, nodes: Sequence[TreeNode]) -> None:
-        """Newly computed nodes entered the tree: back them up now, or queue them while the GPU has room."""
+    def committed(self, nodes: Sequence[TreeNode], continues_hit: bool = False) -> None:
+        """Newly computed nodes entered the tree: back them up now, or queue them while the GPU has room.
+        `continues_hit`: the request that computed them started with a cached prefix (see controller/reuse.py)."""
+        self.reuse.computed(nodes, continues_hit)
         nodes = [n for n in nodes if self.to_host.on_commit(n)]
         if not nodes:
             return
@@ -302,8 +309,8 @@ class Writes:
             return node.on_disk
         if node.id in self._waiting and not bounce:
             return False  # it waits its turn (drain_waiting)
-        if not self.disk_pays():
-            self.stats.drops["load_slower_than_recompute"] += node.num_pages
+        if not self.reuse.likely(node):
+            self.stats.drops["not_reused"] += node.num_pages
             return False
         if handle is None:  # a write asked for later (a hit, an eviction) may still find its host copy landing
             handle = self._copy_in_flight(node)
@@ -339,7 +346,8 @@ class Writes:
                     if part.removed and not part.on_disk:  # removed with an ancestor before its turn
                         self.stats.drops["l3_queue_full"] += part.num_pages
                     continue
-                if worker.queued_write_pages + part.num_pages > worker.queue_pages:
+                if (worker.queued_write_pages + part.num_pages > worker.queue_pages
+                        or self.eviction.disk_inflight + part.num_pages > self.staging_pages):
                     return queued  # still no room: it stays first in line
                 refused = self._write_part(part, self._copy_in_flight(part), bounce=False)
                 if refused == "l3_queue_full":  # the worker's own queue is full after all: wait on
@@ -381,6 +389,8 @@ class Writes:
         # before one page view (or, bouncing, one copy) per page is made, all for nothing
         if self.worker.queued_write_pages + n > self.worker.queue_pages:
             return "l3_queue_full"
+        if not bounce and self.eviction.disk_inflight + n > self.staging_pages:
+            return "l3_queue_full"  # the host pages it would pin are over the writes' share: wait (unpinned)
         if not self.eviction.make_disk_room(n, node):
             return "disk_full"
         if handle is not None and bounce:

@@ -63,7 +63,7 @@ def namespace_fields(model_id: str, revision: str, dtype: str, layout: KVLayout,
 def write_policy(cfg: Config) -> WritePolicy:
     wp = cfg.cache.write_policy
     return WritePolicy(wp.device_to_host, wp.host_to_disk, wp.selective_hits, wp.defer_above_free,
-                       wp.l3_only_if_loads_pay)
+                       wp.l3_admit, wp.l3_host_share)
 
 
 def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None = None,
@@ -226,6 +226,7 @@ def build_cache(
         tree, device_pool, host_pool, ports_l3, copier, write_policy(cfg), cost, worker,
         min(sizes.disk_pages + sizes.remote_pages, l3.capacity_pages) if l3 is not None else None,
         prefetch=cfg.cache.load_policy.prefetch,
+        prefetch_host_share=cfg.cache.load_policy.prefetch_host_share,
         launch_later=sched.launch_loads_after_forward or sched.admit_during_forward,
     )
     if controller.launch_later:

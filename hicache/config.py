@@ -112,9 +112,11 @@ class WritePolicyConfig:
     # write_through: while more than this share of the GPU pool is free, new pages' host copies wait (for the pool
     # to fill, for their eviction, or for the engine to idle); 1.0 copies every page as soon as it is computed
     defer_above_free: float = _WRITE_DEFAULTS.defer_above_free
-    # write nothing to the L3 / shared tier while loading from it would cost more than recomputing (mode auto):
-    # this server would never read it back. false: write anyway (a store for other servers or later restarts)
-    l3_only_if_loads_pay: bool = _WRITE_DEFAULTS.l3_only_if_loads_pay
+    # which pages the L3 / shared tier takes: "reuse", those likely to be read again (hit, continuing a hit, or
+    # computed twice: controller/reuse.py); "all", every page the write policy sends
+    l3_admit: Literal["reuse", "all"] = _WRITE_DEFAULTS.l3_admit
+    # queued L3 writes pin at most this share of the host pool; the rest wait, unpinned, for their turn
+    l3_host_share: float = _WRITE_DEFAULTS.l3_host_share
 
 
 @dataclass(frozen=True)
@@ -128,10 +130,15 @@ class LoadPolicyConfig:
     attention_ns_per_pair: float | None = None
     host_to_device_gbps: float | None = None
     disk_to_device_gbps: float | None = None
-    # mode auto: compute the first pages of a prefix dearer to load while its last pages load (off: one cut)
-    overlap: bool = False
+    # mode auto: compute the first pages of a prefix while its last pages load, when that finishes sooner than
+    # loading or computing it all (a disk slower than prefill: deep pages load, cheap first pages are computed; and
+    # prefetch reads a queued request's deepest pages first). false: one cut, load a prefix and compute the rest.
+    # Other modes ignore it
+    overlap: bool = True
     # read a queued request's disk-only prefix pages into host memory while it waits (L3 on)
     prefetch: bool = True
+    # disk reads in flight and prefetched pages held take at most this share of the host pool
+    prefetch_host_share: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -307,8 +314,10 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     for name in ("prefill_tokens_per_s", "host_to_device_gbps", "disk_to_device_gbps"):
         _positive(getattr(c.load_policy, name), f"cache.load_policy.{name}", source)
     _positive(c.load_policy.attention_ns_per_pair, "cache.load_policy.attention_ns_per_pair", source, allow_zero=True)
-    if c.load_policy.overlap and c.load_policy.mode != "auto":
-        raise ConfigError(f"{source}: cache.load_policy.overlap: needs mode auto, got mode {c.load_policy.mode!r}")
+    for key, share in (("write_policy.l3_host_share", c.write_policy.l3_host_share),
+                       ("load_policy.prefetch_host_share", c.load_policy.prefetch_host_share)):
+        if not 0.0 < share <= 1.0:
+            raise ConfigError(f"{source}: cache.{key}: must be in (0, 1], got {share}")
     s = cfg.scheduler
     _positive(s.max_running_requests, "scheduler.max_running_requests", source)
     _positive(s.chunk_tokens, "scheduler.chunk_tokens", source)

@@ -14,16 +14,18 @@ def test_defaults_and_shipped_configs_are_valid():
     cfg = load_config("configs/h200-llama8b.yaml")
     sizes = resolve_sizes(cfg, 131072)  # Llama-3.1-8B bf16: 128 KiB per token
     assert sizes.page_bytes == 8 << 20 and sizes.device_pages == 1024 and sizes.host_pages == 6144
-    assert not Config().cache.load_policy.overlap
-    assert from_dict({"cache": {"load_policy": {"overlap": True}}}).cache.load_policy.overlap
+    assert Config().cache.load_policy.overlap
+    assert not from_dict({"cache": {"load_policy": {"overlap": False}}}).cache.load_policy.overlap
 
 
-def test_the_l3_write_gate_reaches_the_controller_policy():
+def test_the_l3_write_rule_and_host_shares_reach_the_controller():
     from hicache.cache import write_policy
 
-    assert write_policy(from_dict({})).l3_only_if_loads_pay is True
-    off = from_dict({"cache": {"write_policy": {"l3_only_if_loads_pay": False}}})
-    assert write_policy(off).l3_only_if_loads_pay is False
+    assert write_policy(from_dict({})).l3_admit == "reuse"
+    cfg = from_dict({"cache": {"write_policy": {"l3_admit": "all", "l3_host_share": 0.25},
+                               "load_policy": {"prefetch_host_share": 0.75}}})
+    assert write_policy(cfg).l3_admit == "all" and write_policy(cfg).l3_host_share == 0.25
+    assert cfg.cache.load_policy.prefetch_host_share == 0.75
 
 
 @pytest.mark.parametrize(
@@ -42,10 +44,14 @@ def test_the_l3_write_gate_reaches_the_controller_policy():
         ({"scheduler": {"chunk_tokens": True}}, "expected an integer"),
         ({"scheduler": {"prefill_batch_tokens": -1}}, "scheduler.prefill_batch_tokens: must be >= 0"),
         ({"cache": {"load_policy": {"overlap": "yes"}}}, "cache.load_policy.overlap"),
-        ({"cache": {"load_policy": {"mode": "never", "overlap": True}}}, "overlap: needs mode auto"),
         ({"cache": {"remote": {"url": "memcached://m:1"}}}, "the scheme must be redis:// or valkey://"),
         ({"cache": {"remote": {"url": "mooncake://m:50051"}}}, "needs metadata"),
-        ({"cache": {"write_policy": {"l3_only_if_loads_pay": "sometimes"}}}, "l3_only_if_loads_pay"),
+        ({"cache": {"write_policy": {"l3_admit": "sometimes"}}}, "cache.write_policy.l3_admit"),
+        ({"cache": {"write_policy": {"l3_only_if_loads_pay": False}}},
+         "unknown key 'cache.write_policy.l3_only_if_loads_pay'"),
+        ({"cache": {"write_policy": {"l3_host_share": 0}}}, "cache.write_policy.l3_host_share: must be in"),
+        ({"cache": {"load_policy": {"prefetch_host_share": 1.5}}}, "cache.load_policy.prefetch_host_share: must be in"),
+        ({"cache": {"l3": {"read_limit_gbps": -1}}}, "cache.l3.read_limit_gbps: must be >= 0"),
         (["a"], "top level must be a mapping"),
     ],
 )

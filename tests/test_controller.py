@@ -102,6 +102,12 @@ def seq(base: int, pages: int) -> list[int]:
     return [base * 1000 + i for i in range(pages * LAYOUT.page_size + 1)]
 
 
+def mechanics(*args, **kwargs) -> WritePolicy:
+    """A write policy for tests of the write mechanism: every page admitted to the L3, no cap on the host pages
+    queued writes pin (the admission rule and the cap have their own tests, tests/test_l3_admit.py)."""
+    return WritePolicy(*args, **{"l3_admit": "all", "l3_host_share": 1.0, **kwargs})
+
+
 def test_write_through_then_hits_from_each_tier():
     h = Harness(device=3, host=6, disk=32)
     assert h.run(seq(1, 2)) == {}
@@ -141,7 +147,7 @@ def test_write_through_then_hits_from_each_tier_with_the_l3_in_its_own_process(t
         h.close()
 
 
-DEFER = WritePolicy("write_through", "write_through", defer_above_free=0.5)
+DEFER = mechanics("write_through", "write_through", defer_above_free=0.5)
 
 
 def test_deferred_write_through_waits_for_the_pool_to_fill():
@@ -156,7 +162,7 @@ def test_deferred_write_through_waits_for_the_pool_to_fill():
 
 
 def test_deferred_write_through_copies_on_eviction():
-    h = Harness(device=5, host=16, disk=0, policy=WritePolicy("write_through", "write_through", defer_above_free=0.0))
+    h = Harness(device=5, host=16, disk=0, policy=mechanics("write_through", "write_through", defer_above_free=0.0))
     h.run(seq(1, 2))
     h.run(seq(2, 2))  # 1 page free: still deferred
     assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 4
@@ -228,7 +234,7 @@ def test_clean_shutdown_writes_deferred_pages_through_to_disk():
 
 
 def test_write_back_copies_only_on_eviction():
-    h = Harness(device=2, host=4, disk=16, policy=WritePolicy("write_back", "write_back"))
+    h = Harness(device=2, host=4, disk=16, policy=mechanics("write_back", "write_back"))
     h.run(seq(1, 2))
     assert h.ctrl.stats.pages_demoted[(DEVICE, HOST)] == 0 and h.host.used_pages() == 0
     h.run(seq(2, 2))  # evicts seq 1 from GPU -> copied to host first
@@ -317,7 +323,7 @@ def test_a_node_on_disk_leaving_the_gpu_gets_a_host_copy_only_in_free_host_pages
     h.check_all_bytes()
     h.ctrl.check_integrity()
     # with free host pages the copy is made (GPU -> host write-back: copies are made as pages leave the GPU)
-    h = Harness(device=2, host=4, disk=16, policy=WritePolicy(device_to_host="write_back",
+    h = Harness(device=2, host=4, disk=16, policy=mechanics(device_to_host="write_back",
                                                                host_to_disk="write_through"))
     h.run(seq(1, 2))
     first = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
@@ -359,7 +365,7 @@ def test_a_prefix_loading_from_host_keeps_its_host_copy_while_its_disk_part_find
 def test_a_write_back_in_parts_still_frees_the_host_pages_asked_for():
     # host -> disk write-back, a 4-page L3 queue: evicting a 6-page node writes it in parts (4 + 2), splitting it;
     # the eviction must go on to the upper part rather than count the whole node as freed
-    policy = WritePolicy(device_to_host="write_through", host_to_disk="write_back")
+    policy = mechanics(device_to_host="write_through", host_to_disk="write_back")
     h = Harness(device=8, host=6, disk=32, policy=policy,
                 worker=lambda store: L3Worker(store, synchronous=True, queue_pages=4))
     h.run(seq(1, 6))
@@ -587,7 +593,7 @@ def test_an_ancestor_of_a_page_being_written_gives_its_host_copy_to_new_pages():
 
 
 def test_write_through_selective_waits_for_hits():
-    h = Harness(device=8, host=8, disk=16, policy=WritePolicy("write_through_selective", "write_through", 2))
+    h = Harness(device=8, host=8, disk=16, policy=mechanics("write_through_selective", "write_through", 2))
     h.run(seq(1, 2))
     assert h.host.used_pages() == 0
     h.run(seq(1, 2))  # first hit
@@ -863,44 +869,14 @@ def test_cost_model_recomputes_slow_disk_pages():
     assert fast_disk.pages_to_load([(DEVICE, 2), (HOST, 3), (DISK, 4)]) == 9
     assert CostModel(2, 64, "never").pages_to_load([(DEVICE, 2), (HOST, 3)]) == 2
     assert CostModel(2, 64, "always", 1e6, 1.0, 1.0).pages_to_load([(HOST, 3), (DISK, 1)]) == 4
-    # written although the planner would not load them (the default skips such writes: see below)
-    writes_anyway = dataclasses.replace(WritePolicy.eager(), l3_only_if_loads_pay=False)
-    h = Harness(device=3, host=6, disk=32, cost=slow_disk, policy=writes_anyway)
+    # written although the planner would not load them alone (eager: every page; under load prefetch reads them)
+    h = Harness(device=3, host=6, disk=32, cost=slow_disk, policy=WritePolicy.eager())
     h.run(seq(1, 2))
     for b in (2, 3, 4, 5):
         h.run(seq(b, 3))
     assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).disk_pages == 2
     assert h.run(seq(1, 2)) == {}  # dearer to load than to recompute
     assert h.ctrl.stats.recomputed_tokens == 4
-
-
-def test_nothing_is_written_to_an_l3_the_cost_model_would_never_load_from(caplog):
-    slow_disk = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", prefill_tokens_per_s=1e6,
-                          host_to_device_bytes_per_s=1e12, disk_to_device_bytes_per_s=1.0)
-    assert not slow_disk.loads_pay(DISK) and slow_disk.loads_pay(HOST)
-    with caplog.at_level("INFO", logger="controller.controller"):
-        h = Harness(device=3, host=6, disk=32, cost=slow_disk)
-        h.run(seq(1, 2))
-        h.run(seq(2, 2))
-        assert h.l3.used_pages() == 0 and h.ctrl.stats.drops == {"load_slower_than_recompute": 4}
-        assert h.ctrl.tree.pages_in[2] == 0
-        h.ctrl.cost = dataclasses.replace(slow_disk, disk_to_device_bytes_per_s=1e12)  # the disk proved fast
-        h.run(seq(3, 2))
-        assert h.l3.used_pages() == 2 and h.ctrl.tree.pages_in[2] == 2
-        # reads measured slow for a while (the estimate Loads keeps) do not stop the writes: the L3 is judged at
-        # the better of that and the bandwidth it started with
-        h.ctrl.loads.cost = dataclasses.replace(slow_disk, disk_to_device_bytes_per_s=1.0)
-        h.run(seq(4, 2))
-        assert h.l3.used_pages() == 4
-    messages = [r.getMessage() for r in caplog.records]
-    assert sum("L3 writes paused" in m for m in messages) == 1 and sum("resumed" in m for m in messages) == 1
-    h.close()
-    # mode "never" and "always" keep writing: the user chose, not the cost model
-    for mode in ("never", "always"):
-        h = Harness(device=3, host=6, disk=32, cost=dataclasses.replace(slow_disk, mode=mode))
-        h.run(seq(1, 2))
-        assert h.l3.used_pages() == 2 and not h.ctrl.stats.drops
-        h.close()
 
 
 def test_disk_capacity_is_a_hard_cap():
@@ -923,18 +899,18 @@ def test_disk_needs_host():
                  min_size=1, max_size=25),
     sizes=st.sampled_from([(3, 5, 9), (4, 8, 0), (6, 0, 0), (64, 64, 64), (3, 3, 4)]),
     policy=st.sampled_from([
-        WritePolicy.eager(), WritePolicy("write_back", "write_back"),
-        WritePolicy("write_through_selective", "write_through_selective", 1),
-        WritePolicy("write_through", "write_back"),
-        WritePolicy("write_through", "write_through", defer_above_free=0.5),
-        WritePolicy("write_through", "write_back", defer_above_free=0.0),
+        WritePolicy.eager(), mechanics("write_back", "write_back"),
+        mechanics("write_through_selective", "write_through_selective", 1),
+        mechanics("write_through", "write_back"),
+        mechanics("write_through", "write_through", defer_above_free=0.5),
+        mechanics("write_through", "write_back", defer_above_free=0.0),
     ]),
 )
 # a host eviction writes its node back; room on the disk must not come from the node's disk-only parent (evicting
 # it took the node, its prefix gone, out of the tree in the middle of its write)
 @example(ops=[(1, 1, 0, False), (2, 1, 0, False), (0, 1, 0, False), (4, 2, 0, False), (2, 2, 0, False),
               (1, 1, 0, False), (4, 2, 0, True), (0, 1, 0, False)],
-         sizes=(3, 3, 4), policy=WritePolicy("write_back", "write_back"))
+         sizes=(3, 3, 4), policy=mechanics("write_back", "write_back"))
 def test_property_against_reference(ops, sizes, policy):
     """Random requests (shared prefixes via a small base alphabet, branching suffixes) against a
     reference of what was ever computed: hits are only ever of committed prefixes, with unlimited

@@ -129,8 +129,8 @@ def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int, host_to_d
             cost: CostModel | None = None) -> None:
     dev = DevicePool(LAYOUT, 14, torch.float32, "cpu")
     copier = LateCopier(dev, host)
-    # written even where the cost model would recompute them (l3_only_if_loads_pay off): the gaps need disk pages
-    policy = WritePolicy("write_through", host_to_disk, 2, 1.0, l3_only_if_loads_pay=False)
+    # every page written (l3_admit all), also where the cost model would recompute it: the gaps need disk pages
+    policy = WritePolicy("write_through", host_to_disk, 2, 1.0, l3_admit="all")
     ctrl = TierController(RadixTree(LAYOUT.page_size), dev, host, l3, copier, policy, cost, worker)
     gaps = 0
     prompts = _family(rng)

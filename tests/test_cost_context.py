@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_controller import LAYOUT, Harness, seq
+from test_controller import LAYOUT
 
 from controller import CostModel
 from controller.cost import LoadPlan
@@ -63,41 +63,6 @@ def test_overlap_computes_the_cheap_first_pages_while_the_deep_ones_load():
     # a flat model sees 2 s a page: it computes more of the prefix and loads less of it
     flat = dataclasses.replace(cost, attention_seconds_per_pair=0.0)
     assert flat.plan([(DISK, 6)]) == LoadPlan(0, 5, 6)
-
-
-def test_l3_writes_resume_once_the_prompts_are_long_enough_for_loads_to_pay(caplog):
-    pb = LAYOUT.page_bytes
-    ps = LAYOUT.page_size
-    # a page at the start costs 1 ms to compute; each page deeper adds ~1 ms; a disk page loads in 2.5 ms
-    speed = ps / 1e-3
-    pair = 1e-3 / (ps * ps)
-    cost = CostModel(ps, pb, "auto", speed, pb * 1e3, pb / 2.5e-3, attention_seconds_per_pair=pair, adaptive=False)
-    with caplog.at_level("INFO", logger="controller.controller"):
-        h = Harness(device=8, host=16, disk=64, cost=cost)
-        h.run(seq(1, 1))  # one-page prompts: a page loads slower than it computes
-        h.run(seq(2, 1))
-        assert h.l3.used_pages() == 0 and h.ctrl.stats.drops["load_slower_than_recompute"] == 2
-        for b in range(3, 40):  # long prompts pull the typical length up: the deep pages pay
-            h.run(seq(b, 6))
-            if h.l3.used_pages():
-                break
-        assert h.ctrl.typical_prompt_pages > 2 and h.l3.used_pages() > 0
-    messages = [r.getMessage() for r in caplog.records]
-    assert sum("L3 writes paused" in m for m in messages) == 1 and sum("resumed" in m for m in messages) == 1
-    h.close()
-
-
-def test_typical_prompt_length_is_a_plain_mean_until_the_moving_average_takes_over():
-    h = Harness(device=64, host=64, disk=64)
-    h.run(seq(1, 1))  # a one-page probe first, then 8-page prompts
-    for b in range(2, 6):
-        h.run(seq(b, 8))
-    extra = 1 / LAYOUT.page_size  # seq() adds a token past the pages
-    assert h.ctrl.typical_prompt_pages == pytest.approx((1 + 4 * 8) / 5 + extra)
-    for b in range(6, 200):  # past 1/weight prompts the average forgets the probe
-        h.run(seq(b, 8))
-    assert h.ctrl.typical_prompt_pages == pytest.approx(8 + extra, abs=1e-2)
-    h.close()
 
 
 def test_calibrate_attention_recovers_the_pair_cost():

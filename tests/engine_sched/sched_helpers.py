@@ -10,10 +10,12 @@ from hicache.engine.engine import Engine
 
 
 def make_engine(model_pair: tuple[Any, Any], **dotted: Any) -> Engine:
-    """An Engine on CPU/float32 over `model_pair`; dotted config keys use '__' for '.' (cache__page_size=4)."""
+    """An Engine on CPU/float32 over `model_pair`; dotted config keys use '__' for '.' (cache__page_size=4). Every
+    page the write policy sends reaches the L3 (`l3_admit: all`) unless `dotted` says otherwise: these tests are of
+    where pages go, and the reuse rule has tests of its own (tests/test_l3_admit.py)."""
     model, tokenizer = model_pair
     values = {"model.name": model.config.name, "model.device": "cpu", "model.dtype": "float32",
-              "cache.host.size_gib": None, "cache.host.size_tokens": 0}
+              "cache.host.size_gib": None, "cache.host.size_tokens": 0, "cache.write_policy.l3_admit": "all"}
     values.update({k.replace("__", "."): v for k, v in dotted.items()})
     host_tokens = values.pop("cache.host.size_tokens")
     cfg = override(Config(), {k: v for k, v in values.items() if not k.startswith("cache.host")})
@@ -34,9 +36,15 @@ def run_all(engine: Engine, check: bool = True) -> dict[str, Any]:
 
 
 def settle_l3(engine: Engine) -> None:
-    """Wait for queued L3 I/O and apply it (so a later match sees what was written)."""
-    engine.cache.controller.worker.wait_idle()
-    engine.cache.controller.poll()
+    """Wait for queued L3 I/O and apply it (so a later match sees what was written), also the writes that waited
+    for the queue or for the writes' share of host memory (each round queues more of them)."""
+    ctrl = engine.cache.controller
+    while True:
+        waiting = ctrl.writes.waiting_disk_pages
+        ctrl.worker.wait_idle()
+        ctrl.poll()
+        if not ctrl.writes.waiting_disk or ctrl.writes.waiting_disk_pages >= waiting:
+            return
 
 
 def assert_no_leaks(engine: Engine) -> None:

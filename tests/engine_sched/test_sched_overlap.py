@@ -29,10 +29,12 @@ def l3_engine(tiny, path, **dotted):
 
 
 def slow_disk_engine(tiny, path, **dotted):
-    """Prefill 1000 tokens/s (4 ms a page); the disk loads a page in 8 ms (recompute wins), host in 1 ms."""
+    """Prefill 1000 tokens/s (4 ms a page); the disk loads a page in 8 ms (recompute wins), host in 1 ms. One cut
+    (load a prefix, compute the rest) unless `dotted` turns overlap on."""
     c = tiny[0].config
     page_bytes = c.num_layers * 2 * PAGE * c.num_kv_heads * c.head_dim * 4
     gbps = lambda seconds: page_bytes / seconds / 1e9  # noqa: E731
+    dotted.setdefault("cache__load_policy__overlap", False)
     return l3_engine(tiny, path, cache__load_policy__prefill_tokens_per_s=1000.0,
                      cache__load_policy__host_to_device_gbps=gbps(0.001),
                      cache__load_policy__disk_to_device_gbps=gbps(0.008), **dotted)

@@ -65,7 +65,7 @@ def test_json_figures_and_exit_codes(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     args = ["replay", trace, "--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20",
             "--disk-tokens", "32", "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100",
-            "--no-progress", "--json", str(out)]
+            "--l3-admit", "all", "--no-progress", "--json", str(out)]
     assert main([*args[:6], "--host-tokens", "0", "--disk-tokens", "32", "--no-progress"]) == 2  # disk needs host
     assert main(args) == 0
     s = json.loads(out.read_text())
@@ -82,37 +82,42 @@ def test_json_figures_and_exit_codes(tmp_path: Path) -> None:
     assert s["disk_sizing"]["ideal_hit_rate"] == pytest.approx(6 / 13)
 
 
-def test_a_disk_slower_than_recomputing_gets_no_writes_and_the_summary_says_why(tmp_path: Path, capsys) -> None:
-    rows = [mooncake(i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6], [1, 2, 3, 7], [4, 5, 6]])]
-    trace = write(tmp_path / "t.jsonl", rows)
-    base = ["replay", trace, "--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20",
-            "--disk-tokens", "32", "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100",
-            "--load-mode", "auto", "--prefill-tokens-per-s", "1e6", "--host-to-device-gbps", "100", "--no-progress"]
-    slow = tmp_path / "slow.json"
-    assert main([*base, "--disk-to-device-gbps", "1e-6", "--json", str(slow)]) == 0  # 400 s to load a block
-    d = json.loads(slow.read_text())["disk"]
-    assert d["pages_written"] == 0 and d["not_worth_loading_pages"] > 0
-    assert "disk writes skipped" in capsys.readouterr().out
-    fast = tmp_path / "fast.json"
-    assert main([*base, "--disk-to-device-gbps", "100", "--json", str(fast)]) == 0
-    d = json.loads(fast.read_text())["disk"]
-    assert d["pages_written"] == 7 and d["not_worth_loading_pages"] == 0
+def test_blocks_nothing_suggests_are_reused_are_not_written_and_the_summary_says_why(tmp_path: Path, capsys) -> None:
+    """l3_admit reuse (the server's default): of two prompts sent once each, nothing is written; a third that
+    continues the first one's prefix is written (its conversation came back), the blocks it hit too."""
+    once = [mooncake(i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6]])]
+    base = ["--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20", "--disk-tokens", "32",
+            "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100", "--no-progress"]
+    out = tmp_path / "once.json"
+    assert main(["replay", write(tmp_path / "once.jsonl", once), *base, "--json", str(out)]) == 0
+    d = json.loads(out.read_text())["disk"]
+    assert d["pages_written"] == 0 and d["not_reused_pages"] == 6
+    assert "disk writes skipped: 6 blocks" in capsys.readouterr().out
+    out = tmp_path / "all.json"
+    assert main(["replay", write(tmp_path / "once.jsonl", once), *base, "--l3-admit", "all", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())["disk"]
+    assert d["pages_written"] == 6 and d["not_reused_pages"] == 0
+    again = once + [mooncake(1000.0, [1, 2, 3, 7])]
+    out = tmp_path / "again.json"
+    assert main(["replay", write(tmp_path / "again.jsonl", again), *base, "--json", str(out)]) == 0
+    d = json.loads(out.read_text())["disk"]
+    assert d["pages_written"] == 4 and d["not_reused_pages"] == 6  # [1, 2, 3] on their hit, then 7
 
 
 def test_replay_prices_deep_blocks_dearer_with_an_attention_cost(tmp_path: Path, capsys) -> None:
-    """A disk that loads a 4-token block in 6 us against 4 us to recompute it at the start of a prompt: no writes
-    with a flat cost; with 1 us per token pair the prompts' blocks cost more than they load, so the disk fills and
-    serves hits."""
+    """A disk that loads a 4-token block in 6 us against 4 us to recompute it at the start of a prompt: with a flat
+    cost its blocks are recomputed; with 1 us per token pair the prompts' blocks cost more than they load, so the
+    disk serves hits."""
     rows = [mooncake(i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6], [1, 2, 3, 7], [4, 5, 6]])]
     trace = write(tmp_path / "t.jsonl", rows)
     base = ["replay", trace, "--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20",
             "--disk-tokens", "32", "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100",
             "--load-mode", "auto", "--prefill-tokens-per-s", "1e6", "--host-to-device-gbps", "100",
-            "--disk-to-device-gbps", str(400 / 6e-6 / 1e9), "--no-progress"]
+            "--disk-to-device-gbps", str(400 / 6e-6 / 1e9), "--l3-admit", "all", "--no-progress"]
     flat, deep = tmp_path / "flat.json", tmp_path / "deep.json"
     assert main([*base, "--json", str(flat)]) == 0
     s = json.loads(flat.read_text())
-    assert s["disk"]["pages_written"] == 0 and s["hit_blocks"]["disk"] == 0
+    assert s["disk"]["pages_written"] == 7 and s["hit_blocks"]["disk"] == 0
     assert main([*base, "--attention-ns-per-pair", "1000", "--json", str(deep)]) == 0
     s = json.loads(deep.read_text())
     assert s["disk"]["pages_written"] == 7 and s["hit_blocks"]["disk"] == 3

@@ -26,6 +26,9 @@ def test_sigterm_drains_then_restart_hits_disk(tmp_path, start_server) -> None:
     prompt = ("a long shared system prompt about three tiers of KV cache. " * 9)[:480]  # 480 tokens, 30 pages
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == 480 and r.usage.prompt_tokens_details.cached_tokens == 0
+    # sent again, the prefix is reused, so it goes to the L3 (cache.write_policy.l3_admit: reuse); once is not enough
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens == 464  # the last token is always computed
 
     # a long streamed request is in flight when SIGTERM arrives: it still runs to the end
     received: list[str] = []
@@ -47,8 +50,8 @@ def test_sigterm_drains_then_restart_hits_disk(tmp_path, start_server) -> None:
     assert "nanobind" not in first.log()  # a clean shutdown prints no teardown noise that reads as a crash
 
     records = read_trace(trace, strict=True).records
-    assert [rec.input_length for rec in records] == [480, 8]
-    assert len(records[0].hash_ids) == 30 and records[1].output_length == 400
+    assert [rec.input_length for rec in records] == [480, 480, 8]
+    assert len(records[0].hash_ids) == 30 and records[2].output_length == 400
     assert records[0].ttft_ms is not None and records[0].cached_tokens == {"device": 0, "host": 0, "disk": 0}
     assert json.loads(trace.read_text().splitlines()[0])["block_tokens"] == 16
 

@@ -1,0 +1,60 @@
+"""Which new pages are likely to be read again: the L3 write rule `cache.write_policy.l3_admit: reuse`.
+
+Whether loading a page from the disk beats recomputing it for one request alone is the wrong test for a write:
+under load the GPU is the bottleneck, requests queue, and a page the disk delivers while its request waits is
+a page the GPU does not compute (prefetch, deadlines: controller/loads.py). What a write needs is a reader. A
+page is likely to have one when
+- it was hit: a prefix served once is served again (system prompts, documents);
+- it continues a prefix that was hit: the growing context of a multi-turn conversation or an agent session,
+  whose next turn reads this turn's pages;
+- it is computed a second time: its key was computed before and evicted (Dynamo's KV block manager writes to
+  disk at frequency two, counting blocks that left memory too).
+A page of a prompt that shares nothing with anything earlier (one-off requests, the no-reuse case) is not
+written, so it costs the disk nothing. How fast the writes that pass go is the write queue's business: bounded
+(`cache.l3.queue_pages`, `write_policy.l3_host_share`) and behind reads on the I/O threads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from radix import TreeNode
+
+ADMIT_MODES = ("reuse", "all")
+
+
+def reuse_memory(host_pages: int, disk_pages: int) -> int:
+    """How many page keys the filter remembers: a few times what host and disk hold (a page evicted from both and
+    computed again still counts as seen), within [4,096, 1,048,576] (about 100 bytes a key)."""
+    return min(1 << 20, max(4096, 4 * (host_pages + disk_pages)))
+
+
+class ReuseFilter:
+    """Remembers how often page keys were computed, and whether they continued a hit, for the last `capacity`
+    keys (oldest forgotten first). `likely(node)`: whether writing the node to the L3 is expected to pay."""
+
+    def __init__(self, mode: str = "reuse", capacity: int = 1 << 18):
+        if mode not in ADMIT_MODES:
+            raise ValueError(f"l3_admit={mode!r}; choices: {list(ADMIT_MODES)}")
+        self.mode = mode
+        self.capacity = max(1, capacity)
+        self._uses: OrderedDict[bytes, int] = OrderedDict()  # page key -> uses seen (2: reuse expected)
+
+    def computed(self, nodes: Sequence[TreeNode], continues_hit: bool) -> None:
+        """These nodes' pages were just computed, by a request whose prompt started with a cached prefix
+        (`continues_hit`) or not."""
+        if self.mode == "all":
+            return
+        uses = self._uses
+        for node in nodes:
+            for key in node.keys:
+                seen = uses.pop(key, 0)
+                uses[key] = 2 if continues_hit else seen + 1
+        while len(uses) > self.capacity:
+            uses.popitem(last=False)
+
+    def likely(self, node: TreeNode) -> bool:
+        if self.mode == "all" or node.hit_count > 0:
+            return True
+        return self._uses.get(node.keys[0], 0) >= 2

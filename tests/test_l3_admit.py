@@ -1,0 +1,135 @@
+"""Which pages reach the L3 (write_policy.l3_admit, controller/reuse.py) and how much host memory the disk's
+traffic may hold (write_policy.l3_host_share, load_policy.prefetch_host_share): a slow or stuck disk never leaves
+GPU -> host copies without room."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+from memory_l3 import MemoryL3
+from test_controller import LAYOUT, Harness, seq
+
+from controller import WritePolicy
+from controller.l3_io import L3Worker
+from controller.reuse import ReuseFilter
+from radix import DEVICE, DISK, HOST, RadixTree
+
+REUSE = dataclasses.replace(WritePolicy.eager(), l3_admit="reuse")
+
+
+def test_a_prompt_sent_once_is_not_written_and_its_continuation_is():
+    h = Harness(device=8, host=16, disk=64, policy=REUSE)
+    h.run(seq(1, 3))
+    assert h.l3.used_pages() == 0 and h.ctrl.stats.drops["not_reused"] == 3
+    # the next turn of the conversation: its prefix is hit (so written now) and its new pages continue a hit
+    turn2 = seq(1, 3)[:-1] + [5000 + i for i in range(2 * LAYOUT.page_size + 1)]
+    assert h.run(turn2) == {DEVICE: 3}
+    assert h.l3.used_pages() == 5
+    assert h.ctrl.tree.match_prefix(turn2, touch=False).num_pages == 5
+    h.check_all_bytes()
+    h.close()
+
+
+def test_a_page_computed_twice_is_written_the_second_time():
+    h = Harness(device=2, host=2, disk=64, policy=REUSE)
+    h.run(seq(1, 2))
+    for b in (2, 3):  # push seq 1 out of GPU and host memory: it is gone
+        h.run(seq(b, 2))
+    assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).num_pages == 0 and h.l3.used_pages() == 0
+    assert h.run(seq(1, 2)) == {}  # computed again: now it is known to come back
+    assert h.l3.used_pages() == 2
+    assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).disk_pages + h.ctrl.tree.match_prefix(
+        seq(1, 2), touch=False).device_pages >= 2
+    h.close()
+
+
+def test_admit_all_writes_every_page_and_the_filter_forgets_oldest_first():
+    h = Harness(device=8, host=16, disk=64, policy=WritePolicy.eager())  # l3_admit all
+    h.run(seq(1, 3))
+    assert h.l3.used_pages() == 3 and not h.ctrl.stats.drops
+    h.close()
+    tree = RadixTree(LAYOUT.page_size)
+    a, _ = tree.insert(seq(1, 1)[:-1], [0])
+    b, _ = tree.insert(seq(2, 1)[:-1], [1])
+    f = ReuseFilter("reuse", capacity=1)
+    f.computed([a], continues_hit=False)
+    f.computed([b], continues_hit=False)  # a is forgotten
+    f.computed([a], continues_hit=False)
+    assert not f.likely(a)
+    f.computed([a], continues_hit=False)
+    assert f.likely(a) and not f.likely(b)
+    with pytest.raises(ValueError, match="l3_admit"):
+        ReuseFilter("sometimes")
+
+
+class StuckL3(MemoryL3):
+    """A MemoryL3 whose reads and writes block until `go` is set: a disk that has stopped answering."""
+
+    def __init__(self, capacity_pages: int, page_bytes: int):
+        super().__init__(capacity_pages, page_bytes)
+        self.go = threading.Event()
+        self.go.set()
+
+    def write_pages(self, keys, pages):
+        assert self.go.wait(30)
+        return super().write_pages(keys, pages)
+
+    def read_pages(self, keys, out):
+        assert self.go.wait(30)
+        return super().read_pages(keys, out)
+
+
+@pytest.mark.parametrize("share, starved", [(0.25, False), (1.0, True)])
+def test_writes_stuck_behind_a_slow_disk_pin_at_most_their_share_of_host_memory(share, starved):
+    """Every page is sent to a disk that does not answer. Within the writes' share, new pages keep finding host room
+    (the writes waiting for their turn are not pinned, and leave host memory first); with the whole pool as their
+    share the pinned writes fill it and new pages' host copies are refused."""
+    l3 = StuckL3(256, LAYOUT.page_bytes)
+    l3.go.clear()
+    policy = dataclasses.replace(WritePolicy.eager(), l3_host_share=share)
+    h = Harness(device=4, host=16, disk=256, policy=policy, l3=l3,
+                worker=lambda store: L3Worker(store, threads=1, queue_pages=64))
+    staging = h.ctrl.writes.staging_pages
+    assert staging == int(16 * share)
+    most = 0
+    for b in range(1, 16):
+        h.run(seq(b, 2))
+        most = max(most, h.ctrl.eviction.disk_inflight)
+    assert most <= staging
+    assert (h.ctrl.stats.drops["host_full"] > 0) == starved
+    l3.go.set()
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    h.ctrl.check_integrity()
+    assert l3.used_pages() > 0
+    h.close()
+
+
+def test_prefetch_reads_stuck_on_the_disk_hold_at_most_their_share_and_backups_still_land():
+    l3 = StuckL3(256, LAYOUT.page_bytes)
+    first = Harness(device=4, host=16, disk=256, l3=l3)
+    for b in range(1, 7):
+        first.run(seq(b, 4))  # written through: 24 pages on the disk
+    first.close()
+    assert l3.used_pages() == 24
+    l3.go.clear()  # the disk stops answering
+    h = Harness(device=4, host=16, disk=256, l3=l3, worker=lambda store: L3Worker(store, threads=2))
+    staging = h.ctrl.loads.staging_pages
+    assert staging == 8  # half of 16 host pages
+    holds = [h.ctrl.prefetch(seq(b, 4), max_pages=4) for b in range(1, 7)]  # six queued requests, all on disk
+    assert h.ctrl.loads.prefetching <= staging and h.ctrl.stats.prefetched_pages == 8
+    assert holds[0].pages == 4 and holds[1].pages == 4 and holds[2].short
+    for b in range(10, 14):  # new prompts computed meanwhile: their host copies find room
+        h.run(seq(b, 2))
+    assert h.ctrl.stats.drops["host_full"] == 0
+    assert sum(n.num_pages for n in h.ctrl.tree.nodes() if n.on_host and not n.on_disk) >= 8
+    for hold in holds:
+        h.ctrl.release_prefetch(hold)
+    l3.go.set()
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    h.ctrl.check_integrity()
+    assert h.run(seq(1, 4)) in ({HOST: 4}, {DISK: 4})  # the prefetched pages, or read again
+    h.close()
