@@ -6,8 +6,9 @@
 #   bash bench/cpu_agent.sh            # ARMS [nol3 l3slow l3shm nol3], results in $OUT [./out/cpu_agent]
 #
 # Arms: nol3 (GPU/host tiers only), l3slow (an L3 on the disk capped at SLOW_GBPS [0.01] GB/s each way, far
-# below recompute speed), l3shm (an uncapped L3 on /dev/shm). The workload is AGENT_GEN [--sessions 4 --turns 5:5
-# --context 3000:6000 --seed 1], every session at once, 16-token answers; a summary line per arm at the end.
+# below recompute speed), l3shm (an uncapped L3 on /dev/shm). The workload is AGENT_GEN [--sessions 6 --turns 4:4
+# --context 600:1200 --seed 1], every session at once, 16-token answers, requests over MAX_CONTEXT [4000] tokens
+# skipped (the default config's GPU pool holds 4,096); a summary line per arm at the end.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-./out}/cpu_agent
@@ -16,7 +17,7 @@ OUT=$(cd "$OUT" && pwd)
 export OUT CONFIG=configs/default.yaml PYTHON=${PYTHON:-.venv/bin/python}
 work=$OUT/workload
 # shellcheck disable=SC2086  # AGENT_GEN is a list of flags
-$PYTHON -m hicache.cli bench agent-gen ${AGENT_GEN:---sessions 4 --turns 5:5 --context 3000:6000 --seed 1} \
+$PYTHON -m hicache.cli bench agent-gen ${AGENT_GEN:---sessions 6 --turns 4:4 --context 600:1200 --seed 1} \
   --out "$work" >"$OUT/workload.txt" 2>&1 || exit 1
 port=8500 i=0
 for arm in ${ARMS:-nol3 l3slow l3shm nol3}; do
@@ -29,7 +30,8 @@ for arm in ${ARMS:-nol3 l3slow l3shm nol3}; do
     *) echo "unknown arm $arm (nol3 l3slow l3shm)"; continue ;;
   esac
   bash bench/gpu/serve_and_bench.sh "${arm}_$i" $((port + i)) "$flags" \
-    "$PYTHON -m hicache.cli bench agent $work --url \$URL --output-length 16 --json $OUT/${arm}_$i.json" \
+    "$PYTHON -m hicache.cli bench agent $work --url \$URL --output-length 16 \
+--max-context ${MAX_CONTEXT:-4000} --json $OUT/${arm}_$i.json" \
     >"$OUT/${arm}_$i.out" 2>&1
   rm -rf /tmp/hicache-l3-cpu /dev/shm/hicache-l3-cpu
 done
@@ -44,7 +46,8 @@ ref_ttft = sum(b["ttft_ms"]["mean"] for b in base) / len(base) if base else None
 for p in runs:
     o = json.loads(p.read_text())["overall"]
     hits = " ".join(f"{t} {100 * v:.1f}%" for t, v in o.get("cache_hit_rate_per_tier", {}).items())
-    line = f"{p.stem:10s} {o['duration_s']:7.2f} s  TTFT mean {o['ttft_ms']['mean']:8.1f} ms  hits {hits}"
+    line = (f"{p.stem:10s} {o['duration_s']:7.2f} s  TTFT mean {o['ttft_ms']['mean']:8.1f} ms  requests "
+            f"{o['requests']} errors {o['errors']} skipped {o['skipped_requests']}  hits {hits}")
     if ref:
         line += f"  / no L3 (mean of {len(base)}): duration {o['duration_s'] / ref['duration_s']:.3f}"
         line += f" TTFT mean {o['ttft_ms']['mean'] / ref_ttft:.3f}"

@@ -136,7 +136,7 @@ class Loads:
                 ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
                 ticket.hit_runs.append((pos, pos + node.num_pages, tier))
                 if tier == DISK:
-                    disk_keys += node.disk_keys
+                    disk_keys += node.keys  # a page's disk key (a prefetched copy's disk entry may be gone since)
             pos += node.num_pages
         if disk_keys and self.shared_pages is not None and (shared := self.shared_pages(disk_keys)):
             ticket.hit_pages[REMOTE] = shared  # disk pages this server's local store lacks: the shared tier's
@@ -392,7 +392,13 @@ class Loads:
                 chunks = self._chunks(node)
                 for chunk in reversed(chunks) if self.cost.overlap else chunks:
                     n = chunk.num_pages
-                    if n > budget - started:
+                    room = budget - started
+                    if n > room and room > 0:  # read what fits, the deepest pages (or the first) of the chunk
+                        upper = self.tree.split(chunk, n - room if self.cost.overlap else room)
+                        chunk = chunk if self.cost.overlap else upper
+                        n = chunk.num_pages
+                        hold.short = True  # the rest of it waits for room
+                    elif n > room:
                         # short (worth asking again) unless it could not fit even with every other hold released
                         own = sum(k for _, k in hold.pins)
                         hold.short = n <= self.staging_pages - own
@@ -408,6 +414,8 @@ class Loads:
                     self.prefetching += n
                     started += n
                     hold.pins.append((chunk, n))
+                    if hold.short:
+                        break
                 if hold.short:
                     break
         finally:

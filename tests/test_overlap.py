@@ -203,3 +203,36 @@ def test_no_room_for_the_tail_drops_the_gap():
     h.ctrl.check_integrity()
     h.ctrl.release(ticket)
     h.ctrl.check_integrity()
+
+
+def test_prefetch_reads_the_deepest_pages_first_and_the_request_computes_the_head_while_they_load():
+    """With overlap, a queued request's prefetch that has room for half its disk prefix reads the last half: the
+    deep pages, dearest to recompute. Admitted, the request computes the first half while the second comes from host
+    memory, and the bytes are those computed."""
+    page_bytes = LAYOUT.page_bytes
+    # a page computes in 1 ms, loads from host in 0.1 ms and from disk in 5 ms: the disk alone does not pay
+    cost = CostModel(PS, page_bytes, "auto", PS / 1e-3, page_bytes / 1e-4, page_bytes / 5e-3, adaptive=False,
+                     overlap=True)
+    l3 = MemoryL3(64, page_bytes)
+    first = Harness(device=16, host=16, disk=64, l3=l3)
+    first.run(seq(1, 8))
+    first.close()
+    h = Harness(device=16, host=8, disk=64, l3=l3, cost=cost)  # prefetch room: half of 8 host pages
+    hold = h.ctrl.prefetch(seq(1, 8), max_pages=8)
+    assert hold.started == 4 and hold.short
+    h.ctrl.poll()
+    m = h.ctrl.tree.match_prefix(seq(1, 8), touch=False)
+    assert [(tier, node.num_pages) for node, tier in m.segments] == [(DISK, 4), (HOST, 4)]
+    ticket = h.ctrl.acquire(tuple(seq(1, 8)), max_pages=8, overlap=True)
+    h.ctrl.release_prefetch(hold)
+    assert ticket.gap == (0, 4) and ticket.hit_pages == {DISK: 4}  # pages [4, 8) were read from disk
+    gap = h.ctrl.alloc_device(4)
+    for i, p in enumerate(gap):
+        h.dev.kv[:, :, p] = page_value(tuple(seq(1, 8)), i)
+    h.ctrl.commit_gap(ticket, tuple(seq(1, 8)), gap)
+    assert h.ctrl.wait_ticket(ticket) and ticket.gap is None
+    for i, p in enumerate(ticket.device_pages()):
+        assert torch.all(h.dev.kv[:, :, p] == page_value(tuple(seq(1, 8)), i))
+    h.ctrl.release(ticket)
+    h.ctrl.check_integrity()
+    h.close()

@@ -84,6 +84,7 @@ class Request:
     gap_tokens: int = 0  # prompt tokens computed in a ticket's gap (not hits when a retry finds them on GPU)
     preemptions: int = 0
     prefetched: bool = False  # its disk-only prefix pages were sent towards host memory while it queued
+    prefetched_at: float = 0.0  # when its prefix was last matched for prefetch (Scheduler clock)
     prefetch_hold: Any = None  # the controller's PrefetchHold while it queues (released on admission)
     awaiting_loads: bool = False  # its committed pages were deduplicated onto pages still loading: not planned
     load_deadline: float = float("inf")  # while LOADING: when it stops waiting for disk reads (Scheduler.settle)

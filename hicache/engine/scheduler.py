@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 DECODE_RESERVE_TOKENS = 256  # decode room counted at admission (longer outputs may still preempt)
+# a queued request's prefix is matched again this often for prefetch: pages that were in host memory when it
+# arrived (nothing to read then) may have left for the disk while it waits
+PREFETCH_RECHECK_S = 0.25
 
 
 class Scheduler:
@@ -240,17 +243,20 @@ class Scheduler:
     def _prefetch(self) -> None:
         """Send queued requests' disk-only prefix pages towards host memory, front of the queue first.
 
-        A request whose prefetch stopped for lack of host room (reads held cover at most half the host pool) asks
-        again on later steps, going on where it stopped, and the requests behind it wait their turn: room that
-        admissions free goes to the next request to be admitted, not to whoever arrives next.
+        A request whose prefetch stopped for lack of host room (cache.load_policy.prefetch_host_share) asks again on
+        later steps, going on where it stopped, and the requests behind it wait their turn: room that admissions
+        free goes to the next request to be admitted, not to whoever arrives next. Every PREFETCH_RECHECK_S a
+        request asks again anyway: its pages that were in memory when it arrived may have gone to disk since.
         """
         if not self.ctrl.prefetch_enabled:
             return
+        now = self.clock()
         for req in self.waiting:
             hold = req.prefetch_hold
-            if req.prefetched and (hold is None or not hold.short):
+            if req.prefetched and (hold is None or not hold.short) and now - req.prefetched_at < PREFETCH_RECHECK_S:
                 continue
             req.prefetched = True
+            req.prefetched_at = now
             limit = (len(req.token_ids) - 1) // self.page_size
             req.prefetch_hold = self.ctrl.prefetch(req.token_ids, max_pages=limit, hold=hold)
             if req.prefetch_hold.short:

@@ -91,8 +91,8 @@ def test_request_waits_for_pages_another_request_is_loading(tiny, tmp_path):
 
 def test_prefetch_room_goes_to_the_front_of_the_queue(tiny, tmp_path):
     """Three queued requests whose prefixes are on L3 only, host room for one prefix's reads at a time: the first
-    is prefetched, the second stops short and the third is not tried. When the first leaves the queue, the second
-    goes on where it stopped, ahead of the third."""
+    is prefetched, the second reads the page that still fits and stops short, and the third is not tried. When the
+    first leaves the queue, the second goes on where it stopped, ahead of the third."""
     prompts = {name: [(seed * 31 + i * 7) % 250 + 1 for i in range(61)] for name, seed in (("q1", 3), ("q2", 5),
                                                                                            ("q3", 9))}
     writer = l3_engine(tiny, tmp_path / "l3")
@@ -110,14 +110,14 @@ def test_prefetch_room_goes_to_the_front_of_the_queue(tiny, tmp_path):
     q1, q2, q3 = (engine.requests[name] for name in prompts)
     assert all(r in engine.scheduler.waiting for r in (q1, q2, q3))
     assert q1.prefetch_hold.started == 15 and not q1.prefetch_hold.short
-    assert q2.prefetch_hold.pages == 0 and q2.prefetch_hold.short
+    assert q2.prefetch_hold.pages == 1 and q2.prefetch_hold.short
     assert not q3.prefetched and q3.prefetch_hold is None
     engine.step()  # no room freed: q2 stays short, q3 untried
     assert q2.prefetch_hold.short and q3.prefetch_hold is None
     engine.abort("q1")  # leaves the queue: its hold is given back
     engine.step()
     assert q2.prefetch_hold.started == 15 and not q2.prefetch_hold.short
-    assert q3.prefetch_hold.pages == 0 and q3.prefetch_hold.short  # its turn now, but q2's reads hold the room
+    assert q3.prefetch_hold.pages == 1 and q3.prefetch_hold.short  # its turn now, but q2's reads hold the room
     go.set()
     # the reads land before q2 is admitted: admitted while its read is still in flight, q2 would (rightly) recompute
     # whenever the read's expected landing is further off than recomputing (a timing race on a loaded machine)
