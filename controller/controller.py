@@ -173,7 +173,9 @@ class TierController:
         if hold is not None and hold.short and hold.room_version == self.host_room_version:
             return hold  # nothing gave host memory back since it stopped: asking again (a match of a long prompt,
             # an allocation that fails) costs the engine thread milliseconds a step for the same answer
-        hold = self.loads.prefetch(self.match(tokens), max_pages, hold)
+        m = self.match(tokens)
+        self.writes.hit([node for node, _ in m.segments])  # its prefix is about to be used again: back it up
+        hold = self.loads.prefetch(m, max_pages, hold)
         hold.room_version = self.host_room_version
         return hold
 

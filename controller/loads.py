@@ -60,6 +60,8 @@ class Loads:
         self.prefetch_enabled = prefetch and cost.mode != "never"  # the caller says whether there is a disk tier
         self.prefetching = 0  # pages read by prefetch holds not yet released
         self.request_reads = 0  # host pages that reads started by tickets are filling
+        self.reading = 0  # host pages that reads in flight are filling, whoever started them
+        self.held_reading = 0  # of those, pages still held by the hold that started the read (in both counts)
         self._reads_before = 0  # request_reads when the ticket being acquired started: a lone ticket always reads
         self.read_chunk_pages = max(1, READ_CHUNK_BYTES // max(1, self.page_bytes))
         # host pages for disk traffic (cache.load_policy.prefetch_host_share), so that GPU -> host copies of new
@@ -320,9 +322,19 @@ class Loads:
         self.tree.set_location(node, DEVICE, dev)
         return True
 
+    @property
+    def staged_pages(self) -> int:
+        """Host pages disk traffic holds: reads in flight, and prefetched pages that holds keep."""
+        return self.reading + self.prefetching - self.held_reading
+
     def _read(self, node: TreeNode, load: DiskLoad) -> None:
+        n = len(load.host_pages)
+        self.reading += n
         if load.for_request:
-            self.request_reads += len(load.host_pages)
+            self.request_reads += n
+        else:
+            self.held_reading += n  # held by the prefetch hold that starts it (Loads.prefetch)
+            load.held = True
         self.transfers.set(node, load)
         self.transfers.loading[node.id] = node
         self.worker.submit_read(node, node.disk_keys, page_buffers(self.host, load.host_pages))
@@ -366,11 +378,15 @@ class Loads:
         limit = self.cost.pages_to_load([(HOST if tier == DISK else tier, n) for tier, n in runs])
         if max_pages is not None:
             limit = min(limit, max_pages)
-        budget = self.staging_pages - self.prefetching - self.request_reads
+        budget = self.staging_pages - self.staged_pages
         candidates: list[tuple[TreeNode, str]] = []
         pos = 0
         for node, tier in m.segments:
             if self.transfers.unusable(node) or pos >= limit:
+                break
+            if node.on_device and not node.on_host and not node.on_disk:
+                # a pin below it would hold its only copy on the GPU (pins count along the path, and a parent
+                # outlives its children): queued requests must not fill the GPU pool with pages nobody can evict
                 break
             pos += node.num_pages
             candidates.append((node, tier))
@@ -429,6 +445,10 @@ class Loads:
         for node, n in hold.pins:
             self.tree.unpin(node)
             self.prefetching -= n
+            load = self.transfers.disk_load(node)
+            if n and load is not None and load.held:  # still in flight: it counts as a read only from now on
+                load.held = False
+                self.held_reading -= len(load.host_pages)
         hold.pins = []
 
     # ------------------------------------------------------------------ completions
@@ -439,8 +459,12 @@ class Loads:
         node: TreeNode = c.token
         self.transfers.loading.pop(node.id, None)
         load = self.transfers.disk_load(node)
+        self.reading -= len(load.host_pages)
         if load.for_request:
             self.request_reads -= len(load.host_pages)
+        if load.held:
+            load.held = False
+            self.held_reading -= len(load.host_pages)
         parts = self._pieces(node, lambda p: self.transfers.get(p) is load)  # the node may have been split
         n = len(c.results)
         if all(c.results):

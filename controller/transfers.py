@@ -65,6 +65,7 @@ class DiskLoad:
         self.to_device = to_device
         self.prefetch = prefetch
         self.for_request = not prefetch
+        self.held = False  # counted as held by the prefetch hold that started it (Loads.staged_pages)
         self.eta = eta
 
     def done(self) -> bool:

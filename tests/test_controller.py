@@ -693,6 +693,7 @@ def test_a_short_prefetch_goes_on_where_it_stopped_once_room_is_freed():
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short
     assert not matches  # nothing gave host room back since it stopped: not even matched again
     h.ctrl.release_prefetch(first)
+    h.ctrl.poll()  # its reads land: until then they hold their host pages (Loads.staged_pages)
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second
     assert not second.short and second.started == 2 and second.pages == 2 and h.ctrl.loads.prefetching == 2
     assert matches == [1]

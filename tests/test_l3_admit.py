@@ -133,3 +133,26 @@ def test_prefetch_reads_stuck_on_the_disk_hold_at_most_their_share_and_backups_s
     h.ctrl.check_integrity()
     assert h.run(seq(1, 4)) in ({HOST: 4}, {DISK: 4})  # the prefetched pages, or read again
     h.close()
+
+
+def test_a_prefetch_never_pins_below_a_page_whose_only_copy_is_on_the_gpu():
+    """Pins count along the path and a parent outlives its children, so a hold on disk pages below a GPU-only page
+    would make that page unevictable: queued requests could fill the GPU pool with pages nobody may evict, and the
+    running request would starve. Such a prefix is not prefetched past the GPU-only page."""
+    l3 = MemoryL3(64, LAYOUT.page_bytes)
+    first = Harness(device=8, host=8, disk=64, l3=l3)
+    first.run(seq(1, 4))
+    keys = [k for node, _ in first.ctrl.tree.match_prefix(seq(1, 4), touch=False).segments for k in node.keys]
+    first.close()
+    for k in keys[:2]:  # only the last two pages stay on the disk
+        del l3.data[k]
+    gpu_only = dataclasses.replace(WritePolicy.eager(), device_to_host="write_back")  # no host copy until evicted
+    h = Harness(device=8, host=8, disk=64, l3=l3, policy=gpu_only)
+    h.run(seq(1, 2)[:-1] + [99])  # the first two pages computed again: on the GPU only
+    m = h.ctrl.tree.match_prefix(seq(1, 4), touch=False)
+    assert m.device_pages == 2 and m.host_pages == 0 and h.ctrl.match(seq(1, 4)).disk_pages == 2
+    hold = h.ctrl.prefetch(seq(1, 4), max_pages=4)
+    assert hold.pages == 0 and h.ctrl.loads.prefetching == 0
+    assert all(node.pin_ref == 0 for node in h.ctrl.tree.nodes())
+    h.ctrl.release_prefetch(hold)
+    h.close()

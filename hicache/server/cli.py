@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -172,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     if args.step_log:
         built.open_step_log(args.step_log)
     engine = AsyncEngine(built, profile_path=args.profile_engine)
+    # `kill -USR1 PID` writes every thread's stack to stderr (the server log): where a stuck engine thread waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         s = cfg.server
         app = create_app(engine, cfg, s.served_model_name or cfg.model.name, s.api_key, s.trace_log)

@@ -114,11 +114,14 @@ def test_prefetch_room_goes_to_the_front_of_the_queue(tiny, tmp_path):
     assert not q3.prefetched and q3.prefetch_hold is None
     engine.step()  # no room freed: q2 stays short, q3 untried
     assert q2.prefetch_hold.short and q3.prefetch_hold is None
-    engine.abort("q1")  # leaves the queue: its hold is given back
+    engine.abort("q1")  # leaves the queue: its hold is given back, but its reads still fill host pages
+    engine.step()
+    assert q2.prefetch_hold.started == 1 and q2.prefetch_hold.short and q3.prefetch_hold is None
+    go.set()
+    settle_l3(engine)  # q1's reads land: their pages are room again
     engine.step()
     assert q2.prefetch_hold.started == 15 and not q2.prefetch_hold.short
-    assert q3.prefetch_hold.pages == 1 and q3.prefetch_hold.short  # its turn now, but q2's reads hold the room
-    go.set()
+    assert q3.prefetch_hold.pages == 1 and q3.prefetch_hold.short  # its turn now, but q2's pages hold the room
     # the reads land before q2 is admitted: admitted while its read is still in flight, q2 would (rightly) recompute
     # whenever the read's expected landing is further off than recomputing (a timing race on a loaded machine)
     settle_l3(engine)
