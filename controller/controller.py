@@ -265,10 +265,11 @@ class TierController:
         self.host_room_version += 1
         self.eviction.remove_invalid()
 
-    def pending_read_seconds(self, ticket: LoadTicket) -> float:
-        """Seconds the GPU would take to recompute what the ticket still waits for from disk (inf: nothing, or no
-        known prefill speed): how long its request may wait for those reads (see give_up_reads)."""
-        return self.loads.pending_read_seconds(ticket)
+    def pending_reads(self, ticket: LoadTicket) -> tuple[float, float]:
+        """What the ticket still waits for from disk: (seconds the GPU would take to recompute it, seconds until
+        the reads should land); (inf, 0) where it waits for none or the prefill speed is unknown. How long its
+        request may wait for them (see give_up_reads and Loads.pending_reads)."""
+        return self.loads.pending_reads(ticket)
 
     def give_up_reads(self, ticket: LoadTicket) -> LoadTicket | None:
         """Stop waiting for the ticket's disk reads that have not landed: the ticket now ends before them and the

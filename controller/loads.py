@@ -151,14 +151,18 @@ class Loads:
 
     # ------------------------------------------------------------------ deadlines
 
-    def pending_read_seconds(self, ticket: LoadTicket) -> float:
-        """Seconds the GPU would take to recompute what the ticket still waits for from disk: the pages from its
-        first node whose disk read is in flight to the end of its prefix (inf: none, or no known prefill speed)."""
+    def pending_reads(self, ticket: LoadTicket) -> tuple[float, float]:
+        """What the ticket still waits for from disk, the pages from its first node whose disk read is in flight
+        to the end of its prefix: (seconds the GPU would take to recompute them, seconds until the last of those
+        reads should land by the disk queue's estimate). (inf, 0) where it waits for no read, or the prefill speed
+        is unknown."""
         cut = self._first_reading(ticket)
         if cut is None:
-            return float("inf")
-        start = sum(n.num_pages for n in ticket.nodes[:cut])
-        return self.cost.compute_seconds(start, ticket.num_pages)
+            return float("inf"), 0.0
+        nodes = ticket.nodes
+        start = sum(n.num_pages for n in nodes[:cut])
+        etas = [load.eta for n in nodes[cut:] if (load := self.transfers.disk_load(n)) is not None]
+        return self.cost.compute_seconds(start, ticket.num_pages), max(etas) - time.monotonic()
 
     def _first_reading(self, ticket: LoadTicket) -> int | None:
         """Index in ticket.nodes of the first node (before its gap, if any) whose disk read has not landed."""

@@ -284,20 +284,26 @@ class Scheduler:
         if ticket.prefix_ready() and not ticket.failed:
             self._start(req)
         else:
-            self._wait_for_loads(req)
+            self._wait_for_loads(req, admitted=True)
 
-    def _wait_for_loads(self, req: Request) -> None:
+    def _wait_for_loads(self, req: Request, admitted: bool = False) -> None:
         """req waits in LOADING until its ticket's loads land (settle moves it back to RUNNING), or until its
         deadline for disk reads: as long as the GPU would take to get to it and recompute those pages.
 
         Waiting costs the GPU nothing while it has other requests' prefill queued, and every page the disk delivers
         is a page it does not compute; past the deadline the request would have had its first token sooner by
-        computing, so it takes what has landed and computes the rest (`_give_up_reads`)."""
+        computing, so it takes what has landed and computes the rest (`_give_up_reads`). Just `admitted` (load mode
+        auto), it does so at once where the disk queue's estimate already says its reads land after that."""
         req.status = Status.LOADING
         self.loading.append(req)
-        wait = self.ctrl.pending_read_seconds(req.ticket)
+        wait, landing = self.ctrl.pending_reads(req.ticket)
         if wait != float("inf"):
             wait += sum(self.ctrl.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
+            if admitted and landing > wait and self.ctrl.cost.mode == "auto" and self._give_up_reads(req):
+                # reads it rides (a prefetch) are further behind than the GPU would take: compute at once
+                self.loading.remove(req)
+                self._start(req)
+                return
         req.load_deadline = self.clock() + wait
 
     def _give_up_reads(self, req: Request) -> bool:
