@@ -8,7 +8,8 @@
 # Arms: nol3 (GPU/host tiers only), l3slow (an L3 on the disk capped at SLOW_GBPS [0.01] GB/s each way, far
 # below recompute speed), l3shm (an uncapped L3 on /dev/shm). The workload is AGENT_GEN [--sessions 6 --turns 4:4
 # --context 600:1200 --seed 1], every session at once, 16-token answers, requests over MAX_CONTEXT [4000] tokens
-# skipped (the default config's GPU pool holds 4,096); a summary line per arm at the end.
+# skipped (the default config's GPU pool holds 4,096); EXTRA [--host-tokens 4096] goes to every server (a host tier
+# smaller than the sessions' contexts, so that they need the disk); a summary line per arm at the end.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-./out}/cpu_agent
@@ -29,7 +30,7 @@ for arm in ${ARMS:-nol3 l3slow l3shm nol3}; do
     l3shm) rm -rf /dev/shm/hicache-l3-cpu; flags="--l3-path /dev/shm/hicache-l3-cpu" ;;
     *) echo "unknown arm $arm (nol3 l3slow l3shm)"; continue ;;
   esac
-  bash bench/gpu/serve_and_bench.sh "${arm}_$i" $((port + i)) "$flags" \
+  bash bench/gpu/serve_and_bench.sh "${arm}_$i" $((port + i)) "$flags ${EXTRA---host-tokens 4096}" \
     "$PYTHON -m hicache.cli bench agent $work --url \$URL --output-length 16 \
 --max-context ${MAX_CONTEXT:-4000} --json $OUT/${arm}_$i.json" \
     >"$OUT/${arm}_$i.out" 2>&1
