@@ -64,6 +64,7 @@ class Loads:
         self.held_reading = 0  # of those, pages still held by the hold that started the read (in both counts)
         self._reads_before = 0  # request_reads when the ticket being acquired started: a lone ticket always reads
         self.read_chunk_pages = max(1, READ_CHUNK_BYTES // max(1, self.page_bytes))
+        self.clock = time.monotonic  # read landing estimates (replaceable in tests, with the scheduler's)
         # host pages for disk traffic (cache.load_policy.prefetch_host_share), so that GPU -> host copies of new
         # pages always find room: a prefetch starts only while reads in flight and prefetched pages held stay
         # within it, and a request's reads only while other requests' reads do (a lone request always reads)
@@ -79,7 +80,7 @@ class Loads:
         counts as host if waiting for it beats recomputing the prefix up to there, else as a disk read."""
         runs: list[tuple[str, int]] = []
         usable: list[TreeNode] = []
-        now, pages = time.monotonic(), 0
+        now, pages = self.clock(), 0
         for node, tier in m.segments:
             if self.transfers.unusable(node):
                 break
@@ -162,7 +163,7 @@ class Loads:
         nodes = ticket.nodes
         start = sum(n.num_pages for n in nodes[:cut])
         etas = [load.eta for n in nodes[cut:] if (load := self.transfers.disk_load(n)) is not None]
-        return self.cost.compute_seconds(start, ticket.num_pages), max(etas) - time.monotonic()
+        return self.cost.compute_seconds(start, ticket.num_pages), max(etas) - self.clock()
 
     def _first_reading(self, ticket: LoadTicket) -> int | None:
         """Index in ticket.nodes of the first node (before its gap, if any) whose disk read has not landed."""
@@ -358,7 +359,7 @@ class Loads:
 
     def _disk_eta(self, pages: int) -> float:
         """When a read of `pages` submitted now should land: reads queue behind each other on the disk."""
-        now = time.monotonic()
+        now = self.clock()
         bw = self.cost.disk_to_device_bytes_per_s
         start = max(now, self._disk_read_free_at)
         self._disk_read_free_at = start + (pages * self.page_bytes / bw if bw else 0.0)

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 DECODE_RESERVE_TOKENS = 256  # decode room counted at admission (longer outputs may still preempt)
+# with nothing else running, a request waits for its disk reads at most their estimated landing plus this share of
+# the time recomputing them would take (see _wait_for_loads)
+IDLE_WAIT_SLACK = 0.25
 # a queued request's prefix is matched again this often for prefetch: pages that were in host memory when it
 # arrived (nothing to read then) may have left for the disk while it waits
 PREFETCH_RECHECK_S = 0.25
@@ -292,18 +295,27 @@ class Scheduler:
 
         Waiting costs the GPU nothing while it has other requests' prefill queued, and every page the disk delivers
         is a page it does not compute; past the deadline the request would have had its first token sooner by
-        computing, so it takes what has landed and computes the rest (`_give_up_reads`). Just `admitted` (load mode
-        auto), it does so at once where the disk queue's estimate already says its reads land after that."""
+        computing, so it takes what has landed and computes the rest (`_give_up_reads`). With nothing else
+        running, it waits only for the reads' estimated landing plus IDLE_WAIT_SLACK of their recompute time. Just
+        `admitted` (load mode auto), it gives them up at once where the disk queue's estimate already says they
+        land after the deadline."""
         req.status = Status.LOADING
         self.loading.append(req)
-        wait, landing = self.ctrl.pending_reads(req.ticket)
+        recompute, landing = self.ctrl.pending_reads(req.ticket)
+        wait = recompute
         if wait != float("inf"):
-            wait += sum(self.ctrl.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
+            backlog = sum(self.ctrl.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
+            wait += backlog
             if admitted and landing > wait and self.ctrl.cost.mode == "auto" and self._give_up_reads(req):
                 # reads it rides (a prefetch) are further behind than the GPU would take: compute at once
                 self.loading.remove(req)
                 self._start(req)
                 return
+            if backlog == 0:
+                # nothing else runs: every second of waiting is a second of idle GPU, so a read later than its
+                # estimate by a quarter of the recompute time is given up (waiting the whole recompute time and then
+                # recomputing would cost twice that)
+                wait = min(wait, max(landing, 0.0) + IDLE_WAIT_SLACK * recompute)
         req.load_deadline = self.clock() + wait
 
     def _give_up_reads(self, req: Request) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from sched_helpers import assert_no_leaks, make_engine, run_all
 
 from hicache.engine.params import SamplingParams
@@ -24,7 +25,7 @@ def l3_engine(tiny, path, **dotted):
               "cache__l3__path": str(path), "cache__l3__size_gib": None, "cache__l3__size_tokens": 1024,
               "cache__write_policy__host_to_disk": "write_through"}
     engine = make_engine(tiny, **{**config, **dotted})
-    engine.scheduler.clock = lambda: 0.0
+    engine.scheduler.clock = engine.cache.controller.loads.clock = lambda: 0.0
     return engine
 
 
@@ -168,7 +169,7 @@ def test_a_stuck_tail_read_delays_the_request_no_longer_than_recomputing_it(tiny
     want = reference(tiny, tmp_path)
     engine = overlap_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)
     clock = StepClock()
-    engine.scheduler.clock = clock
+    engine.scheduler.clock = engine.cache.controller.loads.clock = clock
     go = hold_reads(engine)
     engine.add_request("a", A, GREEDY)
     req = engine.requests["a"]
@@ -215,7 +216,7 @@ def test_a_stuck_prefix_read_gives_way_to_compute(tiny, tmp_path):
     want = reference(tiny, tmp_path)
     engine = slow_disk_engine(tiny, tmp_path / "l3", cache__load_policy__mode="always")
     clock = StepClock()
-    engine.scheduler.clock = clock
+    engine.scheduler.clock = engine.cache.controller.loads.clock = clock
     go = hold_reads(engine)
     engine.add_request("a", A, GREEDY)
     req = engine.requests["a"]
@@ -234,5 +235,37 @@ def test_a_stuck_prefix_read_gives_way_to_compute(tiny, tmp_path):
     assert first + ids == want and out.usage.total_cached_tokens == 0
     assert engine.stats()["cache"]["hit_tokens"]["disk"] == 0  # the hits counted at admission were taken back
     assert not engine.scheduler.draining
+    assert_no_leaks(engine)
+    engine.close()
+
+
+def test_with_nothing_else_running_a_late_read_is_given_up_a_quarter_of_its_recompute_time_after_its_estimate(
+        tiny, tmp_path):
+    """A disk estimated at 1 ms a page against 4 ms to recompute one: the request rides the reads. Nothing else
+    runs, so it waits for their estimated landing (15 ms) plus a quarter of the recompute time (60 ms), not the
+    whole recompute time: stuck past that, it computes the prefix itself."""
+    want = reference(tiny, tmp_path)
+    c = tiny[0].config
+    page_bytes = c.num_layers * 2 * PAGE * c.num_kv_heads * c.head_dim * 4
+    engine = l3_engine(tiny, tmp_path / "l3", cache__load_policy__prefill_tokens_per_s=1000.0,
+                       cache__load_policy__host_to_device_gbps=page_bytes / 1e-4 / 1e9,
+                       cache__load_policy__disk_to_device_gbps=page_bytes / 1e-3 / 1e9,
+                       cache__load_policy__overlap=False)
+    clock = StepClock()
+    engine.scheduler.clock = engine.cache.controller.loads.clock = clock
+    go = hold_reads(engine)
+    engine.add_request("a", A, GREEDY)
+    req = engine.requests["a"]
+    engine.step()
+    assert req.status is Status.LOADING
+    recompute = engine.cache.controller.cost.compute_seconds(0, 15)
+    assert recompute == pytest.approx(0.06)
+    assert req.load_deadline == pytest.approx(0.015 + 0.25 * recompute)
+    clock.now = req.load_deadline
+    first = [t for o in engine.step() for t in o.new_token_ids]
+    assert req.status is Status.RUNNING and engine.stats()["cache"]["gave_up_reads"] == 1
+    go.set()
+    ids, _, out = run_all(engine)["a"]
+    assert first + ids == want and out.usage.total_cached_tokens == 0
     assert_no_leaks(engine)
     engine.close()

@@ -1,0 +1,56 @@
+"""bench/disk_gain_plot.py on hand-written agent reports: ratios to GPU only by L3 bandwidth, the table and the plot."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_plot():
+    spec = importlib.util.spec_from_file_location("disk_gain_plot", ROOT / "bench" / "disk_gain_plot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def report(path: pathlib.Path, duration: float, ttft_ms: float) -> None:
+    path.write_text(json.dumps({"overall": {"duration_s": duration, "ttft_ms": {"mean": ttft_ms}}}))
+
+
+def test_ratios_by_bandwidth_table_and_plot(tmp_path, capsys):
+    plot = load_plot()
+    run = tmp_path / "agent"
+    run.mkdir()
+    report(run / "agent_gpu_only_1.json", 100.0, 10_000.0)
+    report(run / "agent_host48_2.json", 30.0, 2_500.0)
+    report(run / "agent_host12_l3shm_r16_3.json", 33.0, 3_000.0)
+    report(run / "agent_host12_l3shm_r4_4.json", 55.0, 6_000.0)
+    report(run / "agent_host12_l3disk_5.json", 80.0, 9_000.0)
+    report(run / "agent_gpu_only_7b_6.json", 50.0, 4_000.0)
+    report(run / "agent_host12_l3shm_r4_7b_7.json", 25.0, 1_000.0)
+    out = tmp_path / "gain.png"
+    assert plot.main([str(run), "--out", str(out), "--disk-gbps", "1.9"]) == 0
+    text = capsys.readouterr().out
+    assert "| host12_l3disk | 1.9 | 0.800 | 0.900 |" in text
+    assert "| host12_l3shm_r4 | 4 | 0.550 | 0.600 |" in text and "| host48 | | 0.300 | 0.250 |" in text
+    assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+    pts, _ = plot.points(plot.load_arms(run, "_7b"), None)
+    assert pts == [(4.0, 0.5, 0.25, "host12_l3shm_r4")]  # the 7B arms against the 7B GPU-only arm
+
+
+def test_a_run_without_gpu_only_or_rate_limited_arms_says_so(tmp_path, capsys):
+    plot = load_plot()
+    run = tmp_path / "agent"
+    run.mkdir()
+    report(run / "agent_host48_1.json", 30.0, 2_500.0)
+    with pytest.raises(SystemExit, match="no gpu_only arm"):
+        plot.main([str(run), "--out", str(tmp_path / "x.png")])
+    report(run / "agent_gpu_only_2.json", 100.0, 10_000.0)
+    assert plot.main([str(run), "--out", str(tmp_path / "x.png")]) == 1
+    assert "no rate-limited L3 arm" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
