@@ -27,6 +27,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         print(f"hicache l3 inspect: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
-    if args.verify and report.get("bad_pages", 0):
+    bad = report["verify"]["bad"] if args.verify else 0
+    if bad:
+        print(f"hicache l3 inspect: {bad} page(s) failed verification (checksum mismatch or unreadable)",
+              file=sys.stderr)
         return 1
     return 0

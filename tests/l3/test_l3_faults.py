@@ -306,6 +306,25 @@ def test_inspect_reports_and_verifies_without_modifying(tmp_path, page_bytes):
         assert store.used_pages() == 6
 
 
+def test_inspect_verify_exits_1_when_a_page_fails_and_0_when_all_pass(tmp_path, capsys):
+    from hicache.cli import main
+
+    with L3Store(tmp_path / "s", 16 * 16384, 8192, NAMESPACE) as store:
+        assert all(_write(store, range(6)))
+        slot_bytes = store.stats()["slot_bytes"]
+        slots = [store._entries[key(i)].slot for i in (1, 4)]
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "s"), "--verify"]) == 0
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "s")]) == 0
+    for slot in slots:
+        _flip_byte(tmp_path / "s", slot, slot_bytes)
+    capsys.readouterr()
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "s"), "--verify"]) == 1
+    out = capsys.readouterr()
+    assert "4 good, 2 bad" in out.out and "2 page(s) failed verification" in out.err
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "s"), "--verify", "--json"]) == 1
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "s")]) == 0  # without --verify nothing is checked
+
+
 def test_inspect_works_from_another_process_while_a_writer_holds_the_store(tmp_path):
     script = "import sys; from tiers.l3.inspect import inspect_store; print(inspect_store(sys.argv[1], True))"
     with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
