@@ -82,7 +82,7 @@ class _SamplingRequest(BaseModel):
     n: Integer = Field(1, ge=1, le=INT_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(None, max_length=16)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # at most 16 strings, of any length
     stop_token_ids: list[Annotated[Integer, Field(ge=0, le=INT_MAX)]] | None = Field(None, max_length=1024)
     seed: Integer | None = Field(None, ge=0, le=SEED_MAX)
     ignore_eos: bool = False

@@ -43,6 +43,13 @@ def test_numeric_fields_are_type_checked_and_bounded(server, field, value) -> No
     assert field in err["message"]
 
 
+def test_a_single_stop_string_of_any_length_is_accepted(server) -> None:
+    """The limit of 16 is on the list of stop strings, not on one string's characters."""
+    for stop in ("a stop string longer than sixteen characters", ["another stop string of 33 chars!"] * 16):
+        r = post(server, "/v1/completions", {**COMPLETION, "stop": stop})
+        assert r.status_code == 200, r.text
+
+
 def test_max_completion_tokens_is_named_in_its_own_error(server) -> None:
     r = post(server, "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
