@@ -45,11 +45,16 @@ def host_to_device_bandwidth(copier: Any, device: Any, host: Any, pages: int = 1
         host.free(host_pages)
 
 
+CALIBRATION_IO_S = 1.0  # about how long the L3 bandwidth calibration writes (and each of its reads takes)
+
+
 def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages: int = 32,
                              max_bytes: int = 256 << 20) -> float | None:
     """Bytes/s of reading pages from L3 into host pages and copying them to the GPU: at most `pages` pages and
     `max_bytes`, best of 3 reads (the first also starts the store's I/O threads). One batch, as a request's
-    load reads; the estimate then follows the reads serving makes (Loads._observe_disk_read)."""
+    load reads; the estimate then follows the reads serving makes (Loads._observe_disk_read). A first page's
+    write, timed, sizes the batch to about CALIBRATION_IO_S of writing, so that a slow or capped store
+    (cache.l3.write_limit_gbps) is measured in seconds rather than minutes."""
     pages = min(pages, max(1, max_bytes // max(1, host.page_bytes)), host.allocator.free_pages,
                 device.allocator.free_pages)
     if pages < 1 or l3.capacity_pages - l3.used_pages() < pages:
@@ -59,7 +64,17 @@ def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages
     keys = [os.urandom(16) for _ in range(pages)]
     views = [host.page_view(p) for p in host_pages]
     try:
-        if not all(l3.write_pages(keys, views)):
+        start = time.perf_counter()
+        if not all(l3.write_pages(keys[:1], views[:1])):
+            return None
+        one = time.perf_counter() - start
+        if one * pages > CALIBRATION_IO_S:  # a slow store: as many pages as about CALIBRATION_IO_S writes
+            keep = max(1, int(CALIBRATION_IO_S / one))
+            host.free(host_pages[keep:])
+            device.free(dev_pages[keep:])
+            keys, views, host_pages, dev_pages, pages = keys[:keep], views[:keep], host_pages[:keep], \
+                dev_pages[:keep], keep
+        if pages > 1 and not all(l3.write_pages(keys[1:], views[1:])):
             return None
         best = float("inf")
         for _ in range(3):

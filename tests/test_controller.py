@@ -1104,6 +1104,27 @@ def test_disk_calibration_reads_real_pages_and_leaves_nothing_behind():
     assert small is not None and l3.pages_read == 3 * 8 + 3 * 2  # capped by bytes
 
 
+def test_disk_calibration_on_a_slow_store_writes_about_a_second_of_pages(monkeypatch):
+    """A first page that takes 0.4 s to write: the batch shrinks to the 2 pages that take about a second, instead of
+    the 8 asked for (a capped store would otherwise hold the server's start for minutes). No real time is spent."""
+    from controller import calibrate
+
+    class Clock:  # perf_counter advancing 0.4 s a call
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            self.now += 0.4
+            return self.now
+
+    monkeypatch.setattr(calibrate, "time", Clock())
+    l3 = CountingL3(64, LAYOUT.page_bytes)
+    h = Harness(device=16, host=16, l3=l3)
+    assert calibrate.disk_to_device_bandwidth(l3, h.copier, h.dev, h.host, pages=8) == pytest.approx(
+        2 * LAYOUT.page_bytes / 0.4)
+    assert l3.pages_read == 3 * 2 and l3.used_pages() == 0
+    assert h.dev.used_pages() == 0 and h.host.used_pages() == 0
+
+
 def test_disk_usage_after_a_restart_counts_what_the_store_holds():
     l3 = MemoryL3(32, LAYOUT.page_bytes)
     h = on_disk_only(l3, seq(7, 3), device=4, host=8)  # a restart: the tree is empty, the store holds 3 pages
