@@ -77,7 +77,8 @@ class Loads:
 
     def _runs(self, m: MatchResult) -> tuple[list[TreeNode], list[tuple[str, int]]]:
         """The usable matched nodes and their (tier to load from, pages) runs. A read in flight (a prefetch)
-        counts as host if waiting for it beats recomputing the prefix up to there, else as a disk read."""
+        counts as host if it should land before the GPU could recompute its own pages, else as a disk read:
+        waiting for it longer than that loses time whatever follows it."""
         runs: list[tuple[str, int]] = []
         usable: list[TreeNode] = []
         now, pages = self.clock(), 0
@@ -87,7 +88,8 @@ class Loads:
             pages += node.num_pages
             load = self.transfers.disk_load(node)
             if load is not None and not node.on_host:
-                tier = HOST if load.eta - now <= self.cost.compute_seconds(0, pages) else DISK
+                own = self.cost.compute_seconds(pages - node.num_pages, pages)
+                tier = HOST if load.eta - now <= own else DISK
             usable.append(node)
             runs.append((tier, node.num_pages))
         return usable, runs

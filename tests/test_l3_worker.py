@@ -14,42 +14,55 @@ PAGE = 64
 
 
 class Recording(MemoryL3):
-    """MemoryL3 that logs calls in order; reads wait for `gate`."""
+    """MemoryL3 that logs calls in order; reads wait for `gate`; `reading` and `wrote` are set when a read starts
+    and when a write runs, so tests wait on the events themselves rather than on the clock."""
 
     def __init__(self):
         super().__init__(64, PAGE)
         self.gate = threading.Event()
+        self.reading = threading.Event()
+        self.wrote = threading.Event()
         self.log: list[str] = []
 
     def read_pages(self, keys, out):
         self.log.append("read start")
-        assert self.gate.wait(10)
+        self.reading.set()
+        assert self.gate.wait(30)
         self.log.append("read end")
         return super().read_pages(keys, out)
 
     def write_pages(self, keys, pages):
         self.log.append("write")
+        self.wrote.set()
         return super().write_pages(keys, pages)
+
+
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    """Poll `condition` until it holds (True) or `timeout` passes (False): a bound for liveness, not a measurement."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def page(v: int) -> torch.Tensor:
     return torch.full((PAGE,), v, dtype=torch.uint8)
 
 
-def test_writes_wait_for_reads_in_flight():
+def test_writes_wait_for_reads_in_flight(monkeypatch):
+    monkeypatch.setattr(l3_io, "READ_PRIORITY_MAX_WAIT_S", 60.0)  # no bounded wait within the test
     store = Recording()
     store.data[b"k" * 16] = page(7).numpy().tobytes()
     worker = L3Worker(store, threads=1)
     try:
         out = torch.zeros(PAGE, dtype=torch.uint8)
         worker.submit_read("r", [b"k" * 16], [out])
-        for _ in range(100):
-            if store.log:
-                break
-            time.sleep(0.01)
+        assert store.reading.wait(30)
         assert worker.submit_write("w", [b"w" * 16], [page(1)])
-        time.sleep(0.2)
-        assert store.log == ["read start"]  # the write is held back while the read runs
+        assert wait_until(lambda: worker._writes.empty())  # the writer has taken the write
+        assert not store.wrote.is_set() and store.log == ["read start"]  # and holds it while the read runs
         store.gate.set()
         assert worker.wait_idle(10)
         assert store.log == ["read start", "read end", "write"]
@@ -66,12 +79,10 @@ def test_a_stream_of_reads_cannot_starve_writes(monkeypatch):
     worker = L3Worker(store, threads=1)
     try:
         worker.submit_read("r", [b"k" * 16], [torch.zeros(PAGE, dtype=torch.uint8)])
+        assert store.reading.wait(30)
         assert worker.submit_write("w", [b"w" * 16], [page(1)])
-        for _ in range(100):
-            if "write" in store.log:
-                break
-            time.sleep(0.01)
-        assert "write" in store.log and "read end" not in store.log  # written after the bounded wait
+        assert store.wrote.wait(30)  # the read never ends: written once the bounded wait is over
+        assert "read end" not in store.log
     finally:
         store.gate.set()
         worker.wait_idle(10)

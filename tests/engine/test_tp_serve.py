@@ -204,14 +204,14 @@ def test_a_rank_that_fails_to_start_is_named_at_once(tmp_path):
     from hicache.engine.tp_engine import build_tp_engine
 
     threads = torch.get_num_threads()  # building a leader shares the CPU's threads among the ranks
-    start = time.monotonic()
+    config = scenario_config(tmp_path, 2)
+    config["model"]["tp_start_timeout_s"] = 3600.0  # noticed as it exits: a wait for the timeout would hang here
     try:
         with pytest.raises(RankLost, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code 3"):
-            build_tp_engine(from_dict(scenario_config(tmp_path, 2)), calibrate=False,
+            build_tp_engine(from_dict(config), calibrate=False,
                             follower_command=[sys.executable, "-c", "raise SystemExit(3)"])
     finally:
         torch.set_num_threads(threads)
-    assert time.monotonic() - start < 30  # noticed while waiting for it, not after model.tp_start_timeout_s
 
 
 def test_the_server_flag_sets_the_size(tmp_path):
@@ -386,7 +386,7 @@ def test_a_rank_that_stops_answering_ends_the_server_within_the_collective_timeo
         log = log_path.read_text()
         assert code == 1, log[-3000:]
         assert "a tensor-parallel rank did not answer within 2 s (model.tp_timeout_s)" in log, log[-3000:]
-        assert 2 <= waited < 30
+        assert waited >= 2  # not before the timeout; the message above says it was the timeout that ended it
         assert _wait_gone(pid, 10)  # the server took the frozen rank with it
     finally:
         if proc.poll() is None:

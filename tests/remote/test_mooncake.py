@@ -33,6 +33,7 @@ class FakeCluster:
         self.up = True
         self.hang = threading.Event()  # set: every call blocks until `release` is set
         self.release = threading.Event()
+        self.calls = 0  # data calls (probes, reads, writes) that reached the cluster
 
 
 class FakeClient:
@@ -43,6 +44,7 @@ class FakeClient:
         self.registered: list[tuple[int, int]] = []
 
     def _wait(self) -> None:
+        self.cluster.calls += 1
         if self.cluster.hang.is_set():
             self.cluster.release.wait(30)
 
@@ -181,13 +183,16 @@ def test_a_master_down_at_startup_is_retried_with_backoff_and_the_tier_comes_bac
         a = store(cluster, retry_min_s=0.2, retry_max_s=1.0)
         assert a.state == "down"
         ks = keys(2, 400)
-        start = time.monotonic()
+        calls = cluster.calls
         assert a.write_pages_detailed(ks, list(pages(2, 5))) == ([False, False], ["remote_down", "remote_down"])
         assert a.contains(ks) == [False, False]
-        assert time.monotonic() - start < 0.5  # while down, calls answer at once
+        assert cluster.calls == calls  # while down, calls answer at once: none reaches the cluster
         cluster.up = True
-        time.sleep(0.25)  # past the first backoff
-        assert a.write_pages(ks, list(pages(2, 5))) == [True, True] and a.state == "ok"
+        deadline = time.monotonic() + 30  # a bound for liveness: the first backoff is 0.2 s
+        while a.write_pages(ks, list(pages(2, 5))) != [True, True]:
+            assert time.monotonic() < deadline, "the tier did not come back"
+            time.sleep(0.01)
+        assert a.state == "ok"
     messages = [r.getMessage() for r in caplog.records]
     assert sum("unavailable at startup" in m for m in messages) == 1 and sum("is back" in m for m in messages) == 1
     assert a.stats()["reconnects"] == 1
@@ -203,9 +208,9 @@ def test_a_master_that_stops_answering_mid_run_costs_one_timeout_and_takes_the_t
     dst = np.zeros((2, PAGE), dtype=np.uint8)
     assert a.read_pages(ks, list(dst)) == [False, False]
     took = time.monotonic() - start
-    assert 0.3 <= took < 2.0 and a.state == "down" and "no answer within" in a.stats()["reason"]
-    start = time.monotonic()
-    assert a.contains(ks) == [False, False] and time.monotonic() - start < 0.1  # down: at once
+    assert took >= 0.3 and a.state == "down" and "no answer within" in a.stats()["reason"]  # it waited its timeout
+    calls = cluster.calls
+    assert a.contains(ks) == [False, False] and cluster.calls == calls  # down: answered without asking the cluster
     (stuck, _), = a._abandoned  # the read given up holds on to its staging buffer
     cluster.release.set()  # the stuck read completes now, into that buffer: never into the host page
     stuck.join(10)
