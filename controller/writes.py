@@ -16,8 +16,11 @@ pages (a long first prompt) outrun the disk for a while without losing their wri
 leaves host memory before its turn comes is dropped then, as `l3_queue_full`. A write that
 cannot be made is dropped and counted in `stats.drops` by reason: `host_full`, `l3_queue_full`,
 `disk_full`, `l3_gone` (the L3 process died), `not_reused` (nothing suggests it will be read again:
-`WritePolicy.l3_admit`, controller/reuse.py), and for what the L3 store refuses `not_admitted` (its admission rule,
-`cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
+`WritePolicy.l3_admit`, controller/reuse.py), `l3_backlog` (the writes waiting for the disk already hold
+WAITING_PER_STAGED times their share of host memory, `WritePolicy.l3_host_share`), `ancestor_gpu_only` (a page
+above it is only on the GPU and cannot be backed up to host: the write's pin would hold it there), and for what
+the L3 store refuses `not_admitted` (its admission rule, `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or
+`l3_write_failed`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 # a full host tier refusing backups is reported (with the host census) at most this often
 HOST_FULL_REPORT_S = 10.0
+
+# L3 writes waiting for their turn (unpinned, but leaving host memory last) hold at most this many times the host
+# pages queued writes may pin (WritePolicy.l3_host_share); past that a write is dropped as `l3_backlog`
+WAITING_PER_STAGED = 2
 
 # the store's reasons for refusing a page (L3Store.write_pages_detailed) -> the drop they are counted as
 WRITE_REFUSALS = {"not_admitted": "not_admitted", "busy": "l3_busy", "degraded": "l3_degraded"}
@@ -321,6 +328,12 @@ class Writes:
         for i, part in enumerate(parts):
             refused = self._write_part(part, handle, bounce)
             if refused == "l3_queue_full" and not bounce:  # this part and the rest wait for room
+                rest = sum(p.num_pages for p in parts[i:])
+                if self.waiting_disk_pages + rest > WAITING_PER_STAGED * self.staging_pages:
+                    # the disk is this far behind: pages waiting for it would hold host memory (they leave it last)
+                    # that caching needs, for as long as the disk takes
+                    self.stats.drops["l3_backlog"] += rest
+                    return False
                 self.waiting_disk.extend(parts[i:])
                 self._waiting.update((p.id, p) for p in parts[i:])
                 return False
@@ -328,6 +341,22 @@ class Writes:
                 self.stats.drops[refused] += sum(p.num_pages for p in parts[i:])
                 return False
         return True
+
+    def _path_off_gpu(self, node: TreeNode) -> bool:
+        """Whether every ancestor of `node` has a copy off the GPU, backing up to host those that have none first;
+        False if one cannot be (no host room), or the node lost its host copy meanwhile. A write pins its node's
+        path (a parent outlives its children), and a pin on a page whose only copy is on the GPU holds it there for
+        as long as the disk takes: with a slow disk, writes held the GPU pool and starved the running requests."""
+        chain = []
+        up = node.parent
+        while up is not None and up.parent is not None:
+            if not up.on_host and not up.on_disk:
+                chain.append(up)
+            up = up.parent
+        for ancestor in reversed(chain):
+            if not self.backup_to_host(ancestor):
+                return False
+        return node.on_host
 
     def drain_waiting(self) -> int:
         """Queue the waiting L3 writes, oldest first, while the queue has room; returns the pages queued."""
@@ -391,6 +420,8 @@ class Writes:
             return "l3_queue_full"
         if not bounce and self.eviction.disk_inflight + n > self.staging_pages:
             return "l3_queue_full"  # the host pages it would pin are over the writes' share: wait (unpinned)
+        if not bounce and not self._path_off_gpu(node):
+            return "ancestor_gpu_only"
         if not self.eviction.make_disk_room(n, node):
             return "disk_full"
         if handle is not None and bounce:

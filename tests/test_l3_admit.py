@@ -156,3 +156,45 @@ def test_a_prefetch_never_pins_below_a_page_whose_only_copy_is_on_the_gpu():
     assert all(node.pin_ref == 0 for node in h.ctrl.tree.nodes())
     h.ctrl.release_prefetch(hold)
     h.close()
+
+
+def test_a_write_backs_up_a_parent_whose_only_copy_is_on_the_gpu_first():
+    """A write pins its node's path, and a pinned page whose only copy is on the GPU cannot leave the GPU until the
+    write lands: so the parent is copied to host first; with no host room for it the write is dropped."""
+    policy = dataclasses.replace(WritePolicy.eager(), l3_admit="reuse")
+    h = Harness(device=16, host=16, disk=64, policy=policy)
+    h.run(seq(1, 2))  # sent once: on GPU and host, not on the disk
+    parent = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
+    h.ctrl.eviction.evict_node(HOST, parent)  # its host copy leaves: its only copy is on the GPU
+    assert parent.on_device and not parent.on_host and not parent.on_disk
+    tree = h.ctrl.tree
+    child, _ = tree.insert([7] * LAYOUT.page_size, h.dev.allocate(1), DEVICE, start=parent)  # a page below it
+    tree.set_location(child, HOST, h.host.allocate(1))
+    child.hit_count = 1  # likely to be read again
+    assert h.ctrl.writes.write_to_disk(child)
+    assert parent.on_host  # copied to host before the child's write pinned the path
+    h.ctrl.worker.wait_idle()
+    h.ctrl.poll()
+    assert child.on_disk and parent.on_host and parent.pin_ref == 0  # nothing holds the parent now
+    assert h.ctrl.stats.drops["not_reused"] == 2 + 2  # the parent, computed once, at its commit and its backup
+    h.ctrl.check_integrity()
+    h.close()
+
+
+def test_writes_waiting_for_a_stuck_disk_hold_at_most_twice_their_share_then_are_dropped():
+    l3 = StuckL3(256, LAYOUT.page_bytes)
+    l3.go.clear()
+    policy = dataclasses.replace(WritePolicy.eager(), l3_host_share=0.25)
+    h = Harness(device=8, host=32, disk=256, policy=policy, l3=l3,
+                worker=lambda store: L3Worker(store, threads=1, queue_pages=64))
+    most = 0
+    for b in range(1, 20):
+        h.run(seq(b, 2))
+        most = max(most, h.ctrl.writes.waiting_disk_pages)
+    assert h.ctrl.writes.staging_pages == 8 and 0 < most <= 16
+    assert h.ctrl.stats.drops["l3_backlog"] > 0 and h.ctrl.stats.drops["host_full"] == 0
+    l3.go.set()
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    h.ctrl.check_integrity()
+    h.close()

@@ -11,11 +11,14 @@ from hicache.engine.engine import Engine
 
 def make_engine(model_pair: tuple[Any, Any], **dotted: Any) -> Engine:
     """An Engine on CPU/float32 over `model_pair`; dotted config keys use '__' for '.' (cache__page_size=4). Every
-    page the write policy sends reaches the L3 (`l3_admit: all`) unless `dotted` says otherwise: these tests are of
-    where pages go, and the reuse rule has tests of its own (tests/test_l3_admit.py)."""
+    page the write policy sends reaches the L3 (`l3_admit: all`), and queued writes may pin the whole host pool
+    (`l3_host_share: 1.0`, whose share of these few-page pools would be a page or two), unless `dotted` says
+    otherwise: these tests are of where pages go; the reuse rule and the shares have tests of their own
+    (tests/test_l3_admit.py)."""
     model, tokenizer = model_pair
     values = {"model.name": model.config.name, "model.device": "cpu", "model.dtype": "float32",
-              "cache.host.size_gib": None, "cache.host.size_tokens": 0, "cache.write_policy.l3_admit": "all"}
+              "cache.host.size_gib": None, "cache.host.size_tokens": 0, "cache.write_policy.l3_admit": "all",
+              "cache.write_policy.l3_host_share": 1.0}
     values.update({k.replace("__", "."): v for k, v in dotted.items()})
     host_tokens = values.pop("cache.host.size_tokens")
     cfg = override(Config(), {k: v for k, v in values.items() if not k.startswith("cache.host")})
