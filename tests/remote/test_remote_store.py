@@ -115,14 +115,14 @@ def test_down_at_startup_then_back_recovers_by_itself():
 
 def test_a_server_killed_mid_read_fails_the_read_quickly_and_comes_back():
     with LocalServer(maxmemory="256mb") as server:
-        store = _store(server.url, page_bytes=1 << 20, timeout_s=1.0, retry_min_s=0.05, retry_max_s=0.2)
+        store = _store(server.url, page_bytes=1 << 20, timeout_s=60.0, retry_min_s=0.05, retry_max_s=0.2)
         pages = _pages(64, 7, 1 << 20)
         assert all(store.write_pages(_keys(64), pages))
         out = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(64)]
         server.proc.kill()
-        start = time.monotonic()
         assert store.read_pages(_keys(64), out) == [False] * 64
-        assert time.monotonic() - start < 5 and store.state == "down"
+        # failed on the broken connection itself, not by waiting out its (long) timeout
+        assert store.state == "down" and "timeout" not in store.stats()["reason"].lower(), store.stats()["reason"]
         server.proc.wait()
         server.proc = None
         server.start()
