@@ -353,10 +353,13 @@ class Writes:
             if not up.on_host and not up.on_disk:
                 chain.append(up)
             up = up.parent
-        for ancestor in reversed(chain):
-            if not self.backup_to_host(ancestor):
-                return False
-        return node.on_host
+        if not chain:
+            return True
+        self.tree.pin(node)  # the room made for its parents' host copies is not made from its own
+        try:
+            return all(self.backup_to_host(ancestor) for ancestor in reversed(chain)) and node.on_host
+        finally:
+            self.tree.unpin(node)
 
     def drain_waiting(self) -> int:
         """Queue the waiting L3 writes, oldest first, while the queue has room; returns the pages queued."""
@@ -381,7 +384,7 @@ class Writes:
                 refused = self._write_part(part, self._copy_in_flight(part), bounce=False)
                 if refused == "l3_queue_full":  # the worker's own queue is full after all: wait on
                     return queued
-                del self._waiting[part.id]
+                self._waiting.pop(part.id, None)
                 if refused is not None:
                     self.stats.drops[refused] += part.num_pages
                 else:
