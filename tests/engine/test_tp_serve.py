@@ -38,8 +38,9 @@ def scenario_config(directory: Path, tp: int) -> dict:
             "device": {"size_tokens": 48},
             "host": {"size_tokens": 96},
             "l3": {"path": str(directory / "l3"), "size_tokens": 4096, "io_backend": "buffered", "io_threads": 1},
+            # queued writes may pin the whole (24-page) host pool: its default share would be 3 pages
             "write_policy": {"device_to_host": "write_through", "host_to_disk": "write_through",
-                             "defer_above_free": 1.0},
+                             "defer_above_free": 1.0, "l3_host_share": 1.0},
             "load_policy": {"mode": "always"},
         },
         "scheduler": {"max_running_requests": 2, "chunk_tokens": 32},
