@@ -268,14 +268,14 @@ class TierController:
     def pending_reads(self, ticket: LoadTicket) -> tuple[float, float]:
         """What the ticket still waits for from disk: (seconds the GPU would take to recompute it, seconds until
         the reads should land); (inf, 0) where it waits for none or the prefill speed is unknown. How long its
-        request may wait for them (see give_up_reads and Loads.pending_reads)."""
-        return self.loads.pending_reads(ticket)
+        request may wait for them (see give_up_reads and controller/give_up.py)."""
+        return self.loads.deadlines.pending_reads(ticket)
 
     def give_up_reads(self, ticket: LoadTicket) -> LoadTicket | None:
         """Stop waiting for the ticket's disk reads that have not landed: the ticket now ends before them and the
         caller computes the rest. Returns a ticket to release once its transfers settle (the reads go on into
-        host memory), or None if there was nothing to give up (see Loads.give_up_reads)."""
-        residual = self.loads.give_up_reads(ticket)
+        host memory), or None if there was nothing to give up (controller/give_up.py)."""
+        residual = self.loads.deadlines.give_up_reads(ticket)
         if residual is not None:
             self.host_room_version += 1
         return residual

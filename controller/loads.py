@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from controller.cost import CostModel, LoadPlan
 from controller.eviction import Eviction
+from controller.give_up import ReadDeadlines
 from controller.l3_io import Completion, L3Worker
 from controller.ports import Copier, HostPool, Pool, page_buffers
 from controller.stats import REMOTE, CacheStats
@@ -24,7 +25,7 @@ from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 
 READ_ESTIMATE_HALF_LIFE_S = 5.0  # how fast the disk bandwidth estimate forgets old reads
 # a disk read is at most this many bytes: a long prefix lands in parts (0.13 s each at 2 GB/s), so a request that
-# stops waiting at its deadline (Loads.give_up_reads) keeps the parts that landed
+# stops waiting at its deadline (controller/give_up.py) keeps the parts that landed
 READ_CHUNK_BYTES = 256 << 20
 
 
@@ -65,6 +66,8 @@ class Loads:
         self._reads_before = 0  # request_reads when the ticket being acquired started: a lone ticket always reads
         self.read_chunk_pages = max(1, READ_CHUNK_BYTES // max(1, self.page_bytes))
         self.clock = time.monotonic  # read landing estimates (replaceable in tests, with the scheduler's)
+        # the reads a ticket waits for, and giving them up at the scheduler's deadline
+        self.deadlines = ReadDeadlines(tree, device, transfers, stats, lambda: self.cost, lambda: self.clock())
         # host pages for disk traffic (cache.load_policy.prefetch_host_share), so that GPU -> host copies of new
         # pages always find room: a prefetch starts only while reads in flight and prefetched pages held stay
         # within it, and a request's reads only while other requests' reads do (a lone request always reads)
@@ -151,83 +154,6 @@ class Loads:
         for tier, pages in ticket.hit_pages.items():
             self.stats.hit_tokens[tier] += pages * ps
         return ticket
-
-    # ------------------------------------------------------------------ deadlines
-
-    def pending_reads(self, ticket: LoadTicket) -> tuple[float, float]:
-        """What the ticket still waits for from disk, the pages from its first node whose disk read is in flight
-        to the end of its prefix: (seconds the GPU would take to recompute them, seconds until the last of those
-        reads should land by the disk queue's estimate). (inf, 0) where it waits for no read, or the prefill speed
-        is unknown."""
-        cut = self._first_reading(ticket)
-        if cut is None:
-            return float("inf"), 0.0
-        nodes = ticket.nodes
-        start = sum(n.num_pages for n in nodes[:cut])
-        etas = [load.eta for n in nodes[cut:] if (load := self.transfers.disk_load(n)) is not None]
-        return self.cost.compute_seconds(start, ticket.num_pages), max(etas) - self.clock()
-
-    def _first_reading(self, ticket: LoadTicket) -> int | None:
-        """Index in ticket.nodes of the first node (before its gap, if any) whose disk read has not landed."""
-        for i, node in enumerate(ticket.prefix_nodes):
-            if self.transfers.disk_load(node) is not None:
-                return i
-        return None
-
-    def give_up_reads(self, ticket: LoadTicket) -> LoadTicket | None:
-        """Stop waiting for the ticket's disk reads that have not landed: the ticket ends before the first node
-        still reading, and its holder computes the rest. The reads go on and land in host memory as prefetched
-        pages (a later request finds them there); the GPU pages they were to fill are freed now, nothing having
-        been copied into them yet. Returns a ticket holding the old lock, to release once the transfers under it
-        settle (copies into GPU pages further on may still be landing); None where there is nothing to give up,
-        or another request waits for the same reads (they stay its load)."""
-        cut = self._first_reading(ticket)
-        if cut is None:
-            return None
-        nodes = ticket.nodes
-        rest = nodes[cut:]
-        if any(node.lock_ref > 1 and (load := self.transfers.disk_load(node)) is not None and load.to_device
-               for node in rest):
-            return None
-        for node in rest:
-            load = self.transfers.disk_load(node)
-            if load is None:
-                continue
-            if load.to_device:
-                load.to_device = False
-                load.prefetch = True  # lands as a host copy read from disk: a later hit on it counts as a disk hit
-            if node.on_device:
-                self.device.free(self.tree.unassign(node, DEVICE))
-        start = sum(n.num_pages for n in nodes[:cut])
-        self._take_back_hits(ticket, start)
-        self.stats.recomputed_tokens += (ticket.num_pages - start) * self.page_size
-        self.stats.gave_up_reads += 1
-        residual = LoadTicket(self.transfers, ticket.node, 0)
-        ticket.node = nodes[cut - 1] if cut else self.tree.root
-        ticket.gap = None
-        self.tree.lock(ticket.node)  # the residual keeps the old lock
-        return residual
-
-    def _take_back_hits(self, ticket: LoadTicket, start: int) -> None:
-        """Pages from `start` on are computed now, not hits: take them out of the ticket's and the stats' counts."""
-        kept: list[tuple[int, int, str]] = []
-        for a, b, tier in ticket.hit_runs:
-            if b > start:
-                gone = b - max(a, start)
-                local = min(gone, ticket.hit_pages.get(tier, 0))
-                self._uncount(ticket, tier, local)
-                self._uncount(ticket, REMOTE, gone - local)  # disk pages that were the shared tier's (acquire)
-            if a < start:
-                kept.append((a, min(b, start), tier))
-        ticket.hit_runs = kept
-
-    def _uncount(self, ticket: LoadTicket, tier: str, pages: int) -> None:
-        if pages <= 0:
-            return
-        ticket.hit_pages[tier] -= pages
-        if not ticket.hit_pages[tier]:
-            del ticket.hit_pages[tier]
-        self.stats.hit_tokens[tier] -= pages * self.page_size
 
     def _chunks(self, node: TreeNode) -> list[TreeNode]:
         """The node split into parts of at most `read_chunk_pages`, top-down: each is read as one call, so a long

@@ -43,7 +43,7 @@ class LoadTicket:
     hit_pages: dict[str, int] = field(default_factory=dict)  # pages used per fastest tier at match time
     released: bool = False
     gap: tuple[int, int] | None = None  # pages [k, s) the caller computes; None once committed
-    # where the hit pages came from, by position: (first page, end page, tier) runs, for `Loads.give_up_reads`
+    # where the hit pages came from, by position: (first page, end page, tier) runs, for `ReadDeadlines.give_up_reads`
     hit_runs: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property

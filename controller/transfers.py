@@ -55,7 +55,7 @@ class DiskLoad:
     `to_device`: the read continues to the node's GPU pages (a request's load); a prefetch for a queued
     request stops in host memory unless a request claims the node before the read lands. `prefetch`: it lands
     as a prefetched host copy: started for a queued request (its node is pinned by a PrefetchHold; a request's
-    loads are locked by its ticket), or given up by the request that started it (Loads.give_up_reads).
+    loads are locked by its ticket), or given up by the request that started it (controller/give_up.py).
     `for_request`: started by a request's ticket, not by a hold (host staging counts it apart).
     `eta`: when the read is expected to land (monotonic seconds; the cost model's view of the disk queue).
     """
