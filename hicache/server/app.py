@@ -31,6 +31,18 @@ from hicache.server.trace_log import TraceLog
 logger = logging.getLogger(__name__)
 
 
+def bearer_matches(header: str, key: str) -> bool:
+    """Whether an Authorization header carries `key` as a bearer token. The scheme is case-insensitive (RFC 7235);
+    the header's bytes, which the server hands over decoded as Latin-1, are compared with the key's UTF-8 bytes,
+    so a non-ASCII key sent as UTF-8 matches. Constant time in the token."""
+    scheme, _, token = header.partition(" ")
+    try:
+        raw = token.strip().encode("latin-1")
+    except UnicodeEncodeError:  # not a header's bytes: nothing a client sent
+        return False
+    return scheme.lower() == "bearer" and hmac.compare_digest(raw, key.encode("utf-8"))
+
+
 def create_app(engine: AsyncEngine, config: Config, model_name: str, api_key: str | None = None,
                trace_log: str | None = None) -> FastAPI:
     """The server app over a running AsyncEngine; its lifespan shuts the engine down (closing L3)."""
@@ -76,9 +88,7 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, api_key: st
     def authorize(request: Request) -> None:
         if state.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+        if not bearer_matches(request.headers.get("authorization", ""), state.api_key):
             raise p.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                              code="invalid_api_key")
 

@@ -60,13 +60,21 @@ def _number(value: Any) -> Any:
     return float(value)
 
 
+def _boolean(value: Any) -> Any:
+    """JSON booleans only: not "yes", "true", 1 or 0."""
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
+
+
 Integer = Annotated[int, BeforeValidator(_integer)]
 Number = Annotated[float, BeforeValidator(_number)]
+Boolean = Annotated[bool, BeforeValidator(_boolean)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: Boolean = False
 
 
 class _SamplingRequest(BaseModel):
@@ -80,12 +88,12 @@ class _SamplingRequest(BaseModel):
     top_p: Number | None = Field(None, gt=0, le=1)
     top_k: Integer | None = Field(None, ge=-1, le=INT_MAX)
     n: Integer = Field(1, ge=1, le=INT_MAX)
-    stream: bool = False
+    stream: Boolean = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # at most 16 strings, of any length
     stop_token_ids: list[Annotated[Integer, Field(ge=0, le=INT_MAX)]] | None = Field(None, max_length=1024)
     seed: Integer | None = Field(None, ge=0, le=SEED_MAX)
-    ignore_eos: bool = False
+    ignore_eos: Boolean = False
     presence_penalty: Number = Field(0.0, ge=-2, le=2)
     frequency_penalty: Number = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, Any] | None = None
@@ -100,8 +108,8 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions: one prompt as text or token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    prompt: str | list[str] | list[Integer] | list[list[Integer]]
+    echo: Boolean = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -223,7 +231,9 @@ def validate(model: type[BaseModel], data: Any) -> Any:
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
     """The engine's SamplingParams for a request; 400 for unsupported or impossible values."""
-    unsupported = {"n": req.n != 1, "logprobs": bool(req.logprobs), "logit_bias": bool(req.logit_bias),
+    # logprobs: an integer on completions (0 asks for the sampled token's), a boolean on chat (false: none)
+    asked_logprobs = not (req.logprobs is None or req.logprobs is False)
+    unsupported = {"n": req.n != 1, "logprobs": asked_logprobs, "logit_bias": bool(req.logit_bias),
                    "presence_penalty": req.presence_penalty != 0, "frequency_penalty": req.frequency_penalty != 0}
     unsupported.update(tools=bool(req.tools), tool_choice=req.tool_choice not in (None, "none"),
                        response_format=bool(req.response_format) and req.response_format.get("type") != "text")

@@ -118,3 +118,15 @@ def test_api_key(locked) -> None:
     assert httpx.get(f"{srv.url}/metrics").status_code == 200
     for path in ("/docs", "/redoc", "/openapi.json"):  # the API's description is not open behind a key
         assert_error(httpx.get(f"{srv.url}{path}"), 404)
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_a_utf8_key_matches_as_sent() -> None:
+    from hicache.server.app import bearer_matches
+
+    key = "clé-ü-🔑"
+    sent = "Bearer " + key.encode("utf-8").decode("latin-1")  # the header's bytes as the server hands them over
+    assert bearer_matches(sent, key) and bearer_matches(sent.replace("Bearer", "bEaReR"), key)
+    assert not bearer_matches("Bearer " + key.encode("utf-8").decode("latin-1")[:-1], key)
+    assert not bearer_matches("Basic " + key, key) and not bearer_matches("", key)
+    assert not bearer_matches("Bearer " + key, key)  # not bytes a client could send: refused, not an error
+    assert bearer_matches(f"bearer {KEY}", KEY) and not bearer_matches(f"Bearer {KEY}x", KEY)

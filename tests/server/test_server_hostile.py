@@ -43,6 +43,24 @@ def test_numeric_fields_are_type_checked_and_bounded(server, field, value) -> No
     assert field in err["message"]
 
 
+@pytest.mark.parametrize("field,value,param", [
+    ("prompt", [1.0, 2.0], "prompt"), ("prompt", [True, 5], "prompt"), ("prompt", [[7, 2.5]], "prompt"),
+    ("stream", "yes", "stream"), ("stream", 1, "stream"), ("ignore_eos", "true", "ignore_eos"),
+    ("echo", 0, "echo"), ("logprobs", 0, "logprobs"), ("logprobs", 2, "logprobs"),
+])
+def test_json_types_are_taken_as_documented(server, field, value, param) -> None:
+    """Token ids are JSON integers, flags JSON booleans; logprobs 0 on completions asks for logprobs (refused)."""
+    r = post(server, "/v1/completions", {**COMPLETION, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].split(".")[0] == param, r.text
+
+
+def test_chat_logprobs_false_is_no_request_for_logprobs(server) -> None:
+    assert post(server, "/v1/chat/completions", {**CHAT, "logprobs": False}).status_code == 200
+    r = post(server, "/v1/chat/completions", {**CHAT, "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
 def test_a_single_stop_string_of_any_length_is_accepted(server) -> None:
     """The limit of 16 is on the list of stop strings, not on one string's characters."""
     for stop in ("a stop string longer than sixteen characters", ["another stop string of 33 chars!"] * 16):
