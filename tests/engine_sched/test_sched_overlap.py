@@ -29,12 +29,16 @@ def l3_engine(tiny, path, **dotted):
     return engine
 
 
+def page_bytes(tiny) -> int:
+    """KV bytes of one page of random:tiny in float32."""
+    c = tiny[0].config
+    return c.num_layers * 2 * PAGE * c.num_kv_heads * c.head_dim * 4
+
+
 def slow_disk_engine(tiny, path, **dotted):
     """Prefill 1000 tokens/s (4 ms a page); the disk loads a page in 8 ms (recompute wins), host in 1 ms. One cut
     (load a prefix, compute the rest) unless `dotted` turns overlap on."""
-    c = tiny[0].config
-    page_bytes = c.num_layers * 2 * PAGE * c.num_kv_heads * c.head_dim * 4
-    gbps = lambda seconds: page_bytes / seconds / 1e9  # noqa: E731
+    gbps = lambda seconds: page_bytes(tiny) / seconds / 1e9  # noqa: E731
     dotted.setdefault("cache__load_policy__overlap", False)
     return l3_engine(tiny, path, cache__load_policy__prefill_tokens_per_s=1000.0,
                      cache__load_policy__host_to_device_gbps=gbps(0.001),
@@ -163,16 +167,22 @@ class StepClock:
         return self.now
 
 
+def stuck_request(engine):
+    """A on an engine whose clocks (the scheduler's and the read estimates') move only when the test says and whose
+    L3 reads block until the returned event is set: (clock, event, A's request)."""
+    clock = StepClock()
+    engine.scheduler.clock = engine.cache.controller.loads.clock = clock
+    go = hold_reads(engine)
+    engine.add_request("a", A, GREEDY)
+    return clock, go, engine.requests["a"]
+
+
 def test_a_stuck_tail_read_delays_the_request_no_longer_than_recomputing_it(tiny, tmp_path):
     """The tail's reads never land while the request waits: once the time to recompute them has passed, it computes
     them itself, with the same greedy output; the reads land in host memory later, for the next request."""
     want = reference(tiny, tmp_path)
     engine = overlap_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16)
-    clock = StepClock()
-    engine.scheduler.clock = engine.cache.controller.loads.clock = clock
-    go = hold_reads(engine)
-    engine.add_request("a", A, GREEDY)
-    req = engine.requests["a"]
+    clock, go, req = stuck_request(engine)
     for _ in range(50):
         engine.step()
         if req.status is Status.LOADING and req.ticket.gap is None:
@@ -215,11 +225,7 @@ def test_a_stuck_prefix_read_gives_way_to_compute(tiny, tmp_path):
     """Load mode always, the prefix only on L3, its reads stuck: past the deadline the request computes it all."""
     want = reference(tiny, tmp_path)
     engine = slow_disk_engine(tiny, tmp_path / "l3", cache__load_policy__mode="always")
-    clock = StepClock()
-    engine.scheduler.clock = engine.cache.controller.loads.clock = clock
-    go = hold_reads(engine)
-    engine.add_request("a", A, GREEDY)
-    req = engine.requests["a"]
+    clock, go, req = stuck_request(engine)
     engine.step()
     assert req.status is Status.LOADING
     assert req.load_deadline == engine.cache.controller.cost.compute_seconds(0, 15)
@@ -245,17 +251,11 @@ def test_with_nothing_else_running_a_late_read_is_given_up_a_quarter_of_its_reco
     runs, so it waits for their estimated landing (15 ms) plus a quarter of the recompute time (60 ms), not the
     whole recompute time: stuck past that, it computes the prefix itself."""
     want = reference(tiny, tmp_path)
-    c = tiny[0].config
-    page_bytes = c.num_layers * 2 * PAGE * c.num_kv_heads * c.head_dim * 4
     engine = l3_engine(tiny, tmp_path / "l3", cache__load_policy__prefill_tokens_per_s=1000.0,
-                       cache__load_policy__host_to_device_gbps=page_bytes / 1e-4 / 1e9,
-                       cache__load_policy__disk_to_device_gbps=page_bytes / 1e-3 / 1e9,
+                       cache__load_policy__host_to_device_gbps=page_bytes(tiny) / 1e-4 / 1e9,
+                       cache__load_policy__disk_to_device_gbps=page_bytes(tiny) / 1e-3 / 1e9,
                        cache__load_policy__overlap=False)
-    clock = StepClock()
-    engine.scheduler.clock = engine.cache.controller.loads.clock = clock
-    go = hold_reads(engine)
-    engine.add_request("a", A, GREEDY)
-    req = engine.requests["a"]
+    clock, go, req = stuck_request(engine)
     engine.step()
     assert req.status is Status.LOADING
     recompute = engine.cache.controller.cost.compute_seconds(0, 15)
