@@ -63,7 +63,6 @@ class Loads:
         self.request_reads = 0  # host pages that reads started by tickets are filling
         self.reading = 0  # host pages that reads in flight are filling, whoever started them
         self.held_reading = 0  # of those, pages still held by the hold that started the read (in both counts)
-        self._reads_before = 0  # request_reads when the ticket being acquired started: a lone ticket always reads
         self.read_chunk_pages = max(1, READ_CHUNK_BYTES // max(1, self.page_bytes))
         self.clock = time.monotonic  # read landing estimates (replaceable in tests, with the scheduler's)
         # the reads a ticket waits for, and giving them up at the scheduler's deadline
@@ -123,10 +122,11 @@ class Loads:
         self.tree.lock(ticket.node)
         pos = 0
         copies: list[TreeNode] = []
-        self._reads_before = self.request_reads
+        others_reading = self.request_reads > 0  # a ticket alone with its reads always reads
         spare = self._allocate_loads(nodes, k, s)
         for i, node in enumerate(nodes):
-            if not k <= pos < s and not node.on_device and not self._load_node(node, copies, spare):
+            if not k <= pos < s and not node.on_device and not self._load_node(node, copies, spare,
+                                                                                others_reading):
                 if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
                     ticket.gap = None
                     i = min(i, len(ticket.part(0, k)))
@@ -215,11 +215,12 @@ class Loads:
             return []
         return self.eviction.allocate(DEVICE, want) or []
 
-    def _load_node(self, node: TreeNode, copies: list[TreeNode], spare: list[int]) -> bool:
+    def _load_node(self, node: TreeNode, copies: list[TreeNode], spare: list[int], others_reading: bool) -> bool:
         """Give a locked node GPU pages and start bringing its data there; False (counted) if no room.
 
         Nodes to copy from host are appended to `copies` for `_start_copies` (one copier call per prefix).
-        The GPU pages come from the front of `spare` (taken from it) while it has enough, else are allocated.
+        The GPU pages come from the front of `spare` (taken from it) while it has enough, else are allocated. A disk
+        read is refused past the staging share only when `others_reading` (other tickets' reads are in flight).
         """
         n = node.num_pages
         if not node.on_host and node.id in self.transfers.writing:
@@ -242,7 +243,7 @@ class Loads:
             self.transfers.set(node, PENDING_COPY)  # its host copy must outlive the allocations of the nodes after it
             self.stats.moved(HOST, DEVICE, n, self.page_bytes)
         else:
-            if self._reads_before and self.request_reads + n > self.staging_pages:
+            if others_reading and self.request_reads + n > self.staging_pages:
                 self.device.free(dev)  # other requests' reads hold the staging share: compute these pages instead
                 self.stats.drops["host_staging_full_on_load"] += n
                 return False
