@@ -280,13 +280,6 @@ class TierController:
             self.host_room_version += 1
         return residual
 
-    def prefill_seconds(self, start: int, end: int) -> float:
-        """Seconds the GPU takes to prefill tokens [start, end) of a prompt by the cost model (0: speed unknown)."""
-        cost = self.loads.cost
-        if not cost.prefill_tokens_per_s or end <= start:
-            return 0.0
-        return cost.prefix_compute_seconds(end) - cost.prefix_compute_seconds(start)
-
     def stream_wait(self, ticket: LoadTicket) -> None:
         """Make the current CUDA stream wait for the copies of the pages the caller may read now: the
         whole prefix, or only [0, k) while the ticket has a gap (no host blocking); no-op on CPU."""

@@ -89,6 +89,13 @@ class CostModel:
         x the attention price. Needs a known prefill speed."""
         return tokens / self.prefill_tokens_per_s + self.attention_seconds_per_pair * tokens * (tokens - 1) / 2
 
+    def prefill_seconds(self, start: int, end: int) -> float:
+        """Seconds to prefill tokens [start, end) of a prompt (0 where the prefill speed is unknown or the range is
+        empty): the queue of prefill ahead of a request, as the scheduler's deadlines count it."""
+        if not self.prefill_tokens_per_s or end <= start:
+            return 0.0
+        return self.prefix_compute_seconds(end) - self.prefix_compute_seconds(start)
+
     def pages_to_load(self, page_tiers: Sequence[tuple[str, int]]) -> int:
         """Number of leading matched pages to use, given (fastest tier, page count) runs in order."""
         total = sum(n for _, n in page_tiers)

@@ -304,9 +304,10 @@ class Scheduler:
         recompute, landing = self.ctrl.pending_reads(req.ticket)
         wait = recompute
         if wait != float("inf"):
-            backlog = sum(self.ctrl.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
+            cost = self.ctrl.cost
+            backlog = sum(cost.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
             wait += backlog
-            if admitted and landing > wait and self.ctrl.cost.mode == "auto" and self._give_up_reads(req):
+            if admitted and landing > wait and cost.mode == "auto" and self._give_up_reads(req):
                 # reads it rides (a prefetch) are further behind than the GPU would take: compute at once
                 self.loading.remove(req)
                 self._start(req)
