@@ -25,8 +25,9 @@ class LoadPlan(NamedTuple):
 class CostModel:
     """Seconds to recompute a page versus seconds to load it from host or disk.
 
-    mode "always" loads every cached page, "never" uses only pages already on GPU, "auto" picks
-    the prefix length that minimises estimated time (loading page i saves compute_i - load_i).
+    mode "always" loads every cached page (and its request waits for the reads however long they take), "never"
+    uses only pages already on GPU, "auto" picks the prefix length that minimises estimated time (loading page i
+    saves compute_i - load_i; a request waits for disk reads only until a deadline, hicache/engine/scheduler.py).
     Unknown bandwidths or prefill speed (None) count as loading being free.
 
     Recomputing a page costs more the deeper it sits in the prompt: each of its tokens attends to every

@@ -297,17 +297,20 @@ class Scheduler:
         is a page it does not compute; past the deadline the request would have had its first token sooner by
         computing, so it takes what has landed and computes the rest (`_give_up_reads`). With nothing else
         running, it waits only for the reads' estimated landing plus IDLE_WAIT_SLACK of their recompute time. Just
-        `admitted` (load mode auto), it gives them up at once where the disk queue's estimate already says they
-        land after the deadline."""
+        `admitted`, it gives them up at once where the disk queue's estimate already says they land after the
+        deadline. All of this is load mode auto's: mode "always" loads every hit and waits for it however long."""
         req.status = Status.LOADING
         self.loading.append(req)
+        cost = self.ctrl.cost
+        if cost.mode != "auto":  # "always" waits for every hit, as it was asked to
+            req.load_deadline = float("inf")
+            return
         recompute, landing = self.ctrl.pending_reads(req.ticket)
         wait = recompute
         if wait != float("inf"):
-            cost = self.ctrl.cost
             backlog = sum(cost.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
             wait += backlog
-            if admitted and landing > wait and cost.mode == "auto" and self._give_up_reads(req):
+            if admitted and landing > wait and self._give_up_reads(req):
                 # reads it rides (a prefetch) are further behind than the GPU would take: compute at once
                 self.loading.remove(req)
                 self._start(req)

@@ -40,9 +40,9 @@ def slow_disk_engine(tiny, path, **dotted):
     (load a prefix, compute the rest) unless `dotted` turns overlap on."""
     gbps = lambda seconds: page_bytes(tiny) / seconds / 1e9  # noqa: E731
     dotted.setdefault("cache__load_policy__overlap", False)
+    dotted.setdefault("cache__load_policy__disk_to_device_gbps", gbps(0.008))
     return l3_engine(tiny, path, cache__load_policy__prefill_tokens_per_s=1000.0,
-                     cache__load_policy__host_to_device_gbps=gbps(0.001),
-                     cache__load_policy__disk_to_device_gbps=gbps(0.008), **dotted)
+                     cache__load_policy__host_to_device_gbps=gbps(0.001), **dotted)
 
 
 def overlap_engine(tiny, path, **dotted):
@@ -222,9 +222,12 @@ def test_a_stuck_tail_read_delays_the_request_no_longer_than_recomputing_it(tiny
 
 
 def test_a_stuck_prefix_read_gives_way_to_compute(tiny, tmp_path):
-    """Load mode always, the prefix only on L3, its reads stuck: past the deadline the request computes it all."""
+    """The prefix only on L3, on a disk that loads a page in 3.5 ms against 4 ms to recompute it: the request
+    rides all 15 reads (due in 52.5 ms), and they are stuck. Nothing else runs, so its deadline is the recompute
+    time (60 ms, earlier than the estimate plus a quarter of it); past that it computes it all."""
     want = reference(tiny, tmp_path)
-    engine = slow_disk_engine(tiny, tmp_path / "l3", cache__load_policy__mode="always")
+    engine = slow_disk_engine(tiny, tmp_path / "l3",
+                              cache__load_policy__disk_to_device_gbps=page_bytes(tiny) / 0.0035 / 1e9)
     clock, go, req = stuck_request(engine)
     engine.step()
     assert req.status is Status.LOADING
@@ -241,6 +244,25 @@ def test_a_stuck_prefix_read_gives_way_to_compute(tiny, tmp_path):
     assert first + ids == want and out.usage.total_cached_tokens == 0
     assert engine.stats()["cache"]["hit_tokens"]["disk"] == 0  # the hits counted at admission were taken back
     assert not engine.scheduler.draining
+    assert_no_leaks(engine)
+    engine.close()
+
+
+def test_load_mode_always_waits_for_its_reads_however_late(tiny, tmp_path):
+    """Mode always loads every hit: a disk slower than recomputing, reads stuck for an hour of the scheduler's
+    clock, and the request still waits for them and is served from the disk."""
+    want = reference(tiny, tmp_path)
+    engine = slow_disk_engine(tiny, tmp_path / "l3", cache__load_policy__mode="always")
+    clock, go, req = stuck_request(engine)
+    engine.step()
+    assert req.status is Status.LOADING and req.load_deadline == float("inf")
+    clock.now = 3600.0
+    for _ in range(3):
+        assert not [o for o in engine.step() if o.new_token_ids]
+    assert req.status is Status.LOADING and engine.stats()["cache"]["gave_up_reads"] == 0
+    go.set()
+    ids, _, out = run_all(engine)["a"]
+    assert ids == want and out.usage.cached_tokens == {"device": 0, "host": 0, "disk": 60, "remote": 0}
     assert_no_leaks(engine)
     engine.close()
 
