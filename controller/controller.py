@@ -37,7 +37,7 @@ from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import Transfers
 from controller.writes import NoWrites, Writes, tier_writes
-from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
+from radix import DEFAULT_NAMESPACE, DEVICE, DISK, HOST, CacheNamespace, MatchResult, RadixTree, TreeNode
 from tiers.copy import LaunchLater
 
 logger = logging.getLogger(__name__)
@@ -141,19 +141,29 @@ class TierController:
 
     # ------------------------------------------------------------------ requests
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of tokens, extended by an L3 index probe past the in-memory tree."""
-        return self.lookup.match(tokens)
+    def match(self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE) -> MatchResult:
+        """Longest cached prefix of tokens in `namespace`, extended by an L3 index probe past the in-memory tree."""
+        base = self.tree.namespace_root(namespace.id, namespace.group) if namespace.id is not None else None
+        return self.lookup.match(tokens, base)
+
+    def set_shares(self, shares: dict[int, float]) -> None:
+        """Give share groups (tenants) a fraction of every tier's capacity: a tier that must make room takes it
+        from the groups over their share first, so one tenant's traffic does not flush another's cache
+        (radix.order). Groups not named have no share; {} turns shares off."""
+        capacities = {DEVICE: self.device.capacity_pages, HOST: self.host.capacity_pages,
+                      DISK: self.eviction.disk_capacity}
+        for tier, capacity in capacities.items():
+            self.tree.set_quotas(tier, {group: int(capacity * share) for group, share in shares.items()})
 
     def acquire(self, tokens: Sequence[int], max_pages: int | None = None, overlap: bool = False,
-                replaces: LoadTicket | None = None) -> LoadTicket:
+                replaces: LoadTicket | None = None, namespace: CacheNamespace = DEFAULT_NAMESPACE) -> LoadTicket:
         """Match tokens, decide how much of the cached prefix to use (at most max_pages: callers keep a token to
         compute), lock it and start its loads; with `overlap` the ticket may have a gap the caller computes while
         the rest loads (see Loads.acquire, LoadTicket and commit_gap). Write policies see the hits. `replaces`:
         the request's earlier ticket, whose load failed: its prompt is not counted again and its hits, which were
-        not served, are taken back."""
+        not served, are taken back. `namespace`: the part of the cache the request may match and fill."""
         self.poll()
-        m = self.match(tokens)
+        m = self.match(tokens, namespace)
         if replaces is None:
             self.stats.prompt_tokens += len(tokens)
         else:
@@ -164,7 +174,7 @@ class TierController:
         return ticket
 
     def prefetch(self, tokens: Sequence[int], max_pages: int | None = None,
-                 hold: PrefetchHold | None = None) -> PrefetchHold:
+                 hold: PrefetchHold | None = None, namespace: CacheNamespace = DEFAULT_NAMESPACE) -> PrefetchHold:
         """Start reading a queued request's disk-only prefix into host memory, pinned there until the hold is given
         back (`release_prefetch`), so at admission it loads from host. A `short` hold (no room) passed back as
         `hold` goes on where it stopped. See Loads.prefetch."""
@@ -173,7 +183,7 @@ class TierController:
         if hold is not None and hold.short and hold.room_version == self.host_room_version:
             return hold  # nothing gave host memory back since it stopped: asking again (a match of a long prompt,
             # an allocation that fails) costs the engine thread milliseconds a step for the same answer
-        m = self.match(tokens)
+        m = self.match(tokens, namespace)
         self.writes.hit([node for node, _ in m.segments])  # its prefix is about to be used again: back it up
         hold = self.loads.prefetch(m, max_pages, hold)
         hold.room_version = self.host_room_version
@@ -235,7 +245,7 @@ class TierController:
             raise ValueError(f"commit_gap: pages [{k}, {end}) for gap [{k}, {s}) and {len(tokens)} tokens")
         if end == k:
             return []
-        start = ticket.part(0, k)[-1] if k else self.tree.root
+        start = ticket.part(0, k)[-1] if k else ticket.base
         node = self._insert(tokens[k * self.page_size : end * self.page_size], device_pages, start)
         if node not in ticket.nodes:
             raise AssertionError(f"commit_gap: tokens do not follow the ticket's path ({node})")
@@ -309,6 +319,7 @@ class TierController:
         self.eviction.remove_invalid()
         if self.eviction.landing and self.eviction.reap_host_frees():
             self.host_room_version += 1
+        self.tree.prune_namespaces()  # no unlocked namespace root is held between steps
 
     def flush_backups(self) -> int:
         """Start every deferred backup now; returns the pages copied."""

@@ -77,7 +77,7 @@ class ReadDeadlines:
         self.stats.recomputed_tokens += (ticket.num_pages - start) * self.page_size
         self.stats.gave_up_reads += 1
         residual = LoadTicket(self.transfers, ticket.node, 0)
-        ticket.node = nodes[cut - 1] if cut else self.tree.root
+        ticket.node = nodes[cut - 1] if cut else ticket.base
         ticket.gap = None
         self.tree.lock(ticket.node)  # the residual keeps the old lock
         return residual

@@ -117,7 +117,7 @@ class Loads:
         # where the bytes come from: prefetched pages count as disk hits
         tiers = [DEVICE if n.on_device else HOST if n.on_host and not self.transfers.prefetched(n) else DISK
                  for n in nodes]
-        ticket = LoadTicket(self.transfers, nodes[-1] if nodes else self.tree.root, m.num_pages,
+        ticket = LoadTicket(self.transfers, nodes[-1] if nodes else m.base, m.num_pages,
                             gap=(k, s) if k < s else None)
         self.tree.lock(ticket.node)
         pos = 0
@@ -130,7 +130,7 @@ class Loads:
                 if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
                     ticket.gap = None
                     i = min(i, len(ticket.part(0, k)))
-                self._truncate(ticket, nodes[i - 1] if i else self.tree.root)
+                self._truncate(ticket, nodes[i - 1] if i else m.base)
                 nodes = nodes[:i]
                 break
             pos += node.num_pages
@@ -427,7 +427,7 @@ class Loads:
     def _pieces(node: TreeNode, belongs: Callable[[TreeNode], bool]) -> list[TreeNode]:
         """node and the ancestors split off it that still belong to the same transfer, top-down."""
         parts = [node]
-        while (up := parts[0].parent) is not None and up.parent is not None and belongs(up):
+        while (up := parts[0].parent) is not None and not up.base and belongs(up):
             parts.insert(0, up)
         return parts
 

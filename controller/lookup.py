@@ -21,12 +21,13 @@ class Lookup:
         self.tree = tree
         self.l3 = l3
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of tokens (marks it accessed; attaches L3 hits past the tree's match)."""
-        m = self.tree.match_prefix(tokens)
+    def match(self, tokens: Sequence[int], base: TreeNode | None = None) -> MatchResult:
+        """Longest cached prefix of tokens in the namespace rooted at `base` (default: the tree's root); marks it
+        accessed and attaches L3 hits past the tree's match."""
+        m = self.tree.match_prefix(tokens, base=base)
         full = len(tokens) // self.tree.page_size
         if m.num_pages < full and self.l3.capacity_pages and self._probe(tokens, m.last_node, m.num_pages, full):
-            m = self.tree.match_prefix(tokens, touch=False)
+            m = self.tree.match_prefix(tokens, touch=False, base=base)
         return m
 
     def _probe(self, tokens: Sequence[int], node: TreeNode, start: int, end: int) -> int:

@@ -38,7 +38,7 @@ class LoadTicket:
     """
 
     transfers: Transfers  # the controller's transfer state, which says when the prefix's pages have landed
-    node: TreeNode  # deepest locked node (the root when nothing is cached)
+    node: TreeNode  # deepest locked node (its namespace's root when nothing is cached)
     matched_pages: int  # pages the tree (and L3) had
     hit_pages: dict[str, int] = field(default_factory=dict)  # pages used per fastest tier at match time
     released: bool = False
@@ -47,11 +47,19 @@ class LoadTicket:
     hit_runs: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
+    def base(self) -> TreeNode:
+        """The root of the namespace the prefix is in (`node` itself where nothing is cached)."""
+        node = self.node
+        while not node.base:
+            node = node.parent
+        return node
+
+    @property
     def nodes(self) -> list[TreeNode]:
         """The used prefix, root excluded, in order."""
         path = []
         node = self.node
-        while node.parent is not None:
+        while not node.base:
             path.append(node)
             node = node.parent
         path.reverse()

@@ -349,7 +349,7 @@ class Writes:
         as long as the disk takes: with a slow disk, writes held the GPU pool and starved the running requests."""
         chain = []
         up = node.parent
-        while up is not None and up.parent is not None:
+        while up is not None and not up.base:
             if not up.on_host and not up.on_disk:
                 chain.append(up)
             up = up.parent

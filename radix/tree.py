@@ -26,13 +26,14 @@ Invariants (checked by `check_integrity`):
 
 from __future__ import annotations
 
-import heapq
+import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from radix.hashing import KEY_BYTES, page_keys
+from radix.order import EvictionOrder
 from radix.policy import DEFAULT_HALF_LIFE, eviction_priority, tier_policies
 
 DEVICE, HOST, DISK = "device", "host", "disk"
@@ -57,12 +58,15 @@ class TreeNode:
         "hit_count",
         "frequency",
         "id",
+        "group",
     )
 
     _ids = itertools.count()
+    base = False  # a namespace root (NamespaceRoot): the top of a key chain, holding no pages
 
     def __init__(self, parent: TreeNode | None, tokens: tuple[int, ...], keys: list[bytes]):
         self.parent = parent
+        self.group = parent.group if parent is not None else 0  # the share group of its namespace
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.tokens = tokens
         self.keys = keys  # chained content hash per page: the page's L3 key
@@ -131,13 +135,30 @@ class TreeNode:
         return f"TreeNode(id={self.id}, pages={self.num_pages}, tiers={self.tiers()}, lock={self.lock_ref})"
 
 
+class NamespaceRoot(TreeNode):
+    """The top of one cache namespace: no pages and no tier; its `seed` starts the key chains of the pages below
+    it, so equal tokens in two namespaces have different L3 and shared-tier keys. The tree's root is the
+    default namespace's (seeded with the tree's namespace fingerprint); the others hang under it, keyed by
+    their 16-byte id (`RadixTree.namespace_root`)."""
+
+    __slots__ = ("ns", "seed")
+    base = True
+
+    def __init__(self, parent: TreeNode | None, ns: bytes | None, seed: bytes, group: int):
+        super().__init__(parent, (), [])
+        self.ns = ns
+        self.seed = seed
+        self.group = group
+
+
 @dataclass
 class MatchResult:
     """Longest cached prefix of a token sequence and how it splits across tiers.
 
     device_pages / host_pages / disk_pages count the matched pages whose fastest copy is on GPU, on
     host, or only on L3. Usually they come in that order (GPU first, then host, then L3); `segments`
-    gives the exact order as (node, fastest tier). `nodes` is the matched path (root excluded).
+    gives the exact order as (node, fastest tier). `nodes` is the matched path (root excluded); `base` the root
+    of the namespace it was matched in (`last_node` where nothing matched).
     """
 
     nodes: list[TreeNode]
@@ -146,6 +167,7 @@ class MatchResult:
     host_pages: int
     disk_pages: int
     segments: list[tuple[TreeNode, str]] = field(default_factory=list)  # (node, fastest tier) in order
+    base: TreeNode | None = None
 
     @property
     def num_pages(self) -> int:
@@ -165,8 +187,10 @@ class RadixTree:
     """Radix tree over token ids at page granularity with per-tier residency and eviction order.
 
     `page_size` tokens form a page; a trailing partial page is never cached. `namespace` seeds the
-    chained page keys. `eviction_policy` names a policy of `radix.policy` (a priority function per tier,
-    `tier_policies`); `half_life` is the decay of its "lrfu" frequency, in ticks of the tree's clock.
+    chained page keys of the default namespace; other namespaces (tenants, salts) have roots of their own
+    (`namespace_root`), and eviction can give each share group a quota per tier (`set_quotas`).
+    `eviction_policy` names a policy of `radix.policy` (a priority function per tier, `tier_policies`);
+    `half_life` is the decay of its "lrfu" frequency, in ticks of the tree's clock.
     """
 
     def __init__(self, page_size: int, namespace: bytes = bytes(KEY_BYTES), eviction_policy: str = "lru",
@@ -183,13 +207,14 @@ class RadixTree:
         # per tier (device, host, disk); see radix.policy.tier_policies
         self.priorities: list[Callable[[TreeNode], Any]] = [
             eviction_priority(name, self.half_life) for name in tier_policies(eviction_policy)]
-        self.root = TreeNode(None, (), [])
+        self.root: NamespaceRoot = NamespaceRoot(None, None, namespace, 0)
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
-        self._seq = itertools.count()
         self.pages_in = [0, 0, 0]  # pages resident per tier
-        self._leaves: list[set[TreeNode]] = [set(), set(), set()]  # evictable-leaf candidates per tier
-        self._heaps: list[list[tuple[Any, int, TreeNode]]] = [[], [], []]
+        self.order = EvictionOrder(self.priorities)
+        self._leaves = self.order.leaves  # evictable-leaf candidates per tier
+        self._namespaces = 0  # namespace roots under the root
+        self._namespaces_kept = 0  # of those, how many the last prune kept
         # called as listener(upper, lower) whenever a node is split: state kept beside the tree per node (the
         # controller's transfers table) follows the pages into both parts
         self.split_listeners: list[Callable[[TreeNode, TreeNode], None]] = []
@@ -210,8 +235,46 @@ class RadixTree:
         node.frequency = node.frequency * decay + (1.0 if reference else 0.0)
         node.last_access = now
 
-    def match_prefix(self, tokens: Sequence[int], touch: bool = True) -> MatchResult:
-        """Longest cached page-aligned prefix of `tokens`.
+    def namespace_root(self, ns: bytes | None, group: int = 0) -> NamespaceRoot:
+        """The root of namespace `ns` (a 16-byte id; None: the default namespace, the tree's root), made on first
+        use with share group `group`. Its key chains start from a seed mixing the tree's namespace fingerprint
+        with `ns`. Roots left without pages and locks are removed by `prune_namespaces`."""
+        if ns is None:
+            return self.root
+        node = self.root.children.get(ns)  # type: ignore[call-overload]  # bytes keys never equal token tuples
+        if node is None:
+            if len(ns) != KEY_BYTES:
+                raise ValueError(f"a namespace id is {KEY_BYTES} bytes, got {len(ns)}")
+            seed = hashlib.blake2b(self.namespace + ns, digest_size=KEY_BYTES, person=b"hicache-tenant").digest()
+            node = NamespaceRoot(self.root, ns, seed, group)
+            self.root.children[ns] = node  # type: ignore[index]
+            self._namespaces += 1
+        elif node.group != group:
+            raise ValueError(f"namespace {ns.hex()[:8]} is in share group {node.group}, not {group}")
+        return node  # type: ignore[return-value]
+
+    def prune_namespaces(self, force: bool = False) -> int:
+        """Remove the namespace roots that hold nothing (no child, lock or pin); returns how many. Unless `force`,
+        only once their number has doubled since the last prune (a client sending a new salt with each request
+        makes a root each time). Call it where no caller holds an unlocked root (the controller's step start)."""
+        if not force and self._namespaces <= 2 * self._namespaces_kept + 64:
+            return 0
+        empty = [key for key, node in self.root.children.items()
+                 if node.base and not node.children and node.lock_ref == 0 and node.pin_ref == 0]
+        for key in empty:
+            self.root.children.pop(key).parent = None
+        self._namespaces -= len(empty)
+        self._namespaces_kept = self._namespaces
+        return len(empty)
+
+    @property
+    def namespace_count(self) -> int:
+        """Namespace roots under the root (the default namespace not counted)."""
+        return self._namespaces
+
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True, base: TreeNode | None = None) -> MatchResult:
+        """Longest cached page-aligned prefix of `tokens` in the namespace whose root is `base` (default: the
+        tree's root).
 
         Side effects: splits a node when the match ends inside it; with `touch`, marks the matched
         path as accessed now and counts a hit on each of its nodes.
@@ -219,7 +282,8 @@ class RadixTree:
         ps = self.page_size
         tokens = tuple(tokens)
         end = len(tokens) // ps * ps
-        node, pos = self.root, 0
+        start = base if base is not None else self.root
+        node, pos = start, 0
         path: list[TreeNode] = []
         while pos < end:
             child = node.children.get(tokens[pos : pos + ps])
@@ -244,29 +308,29 @@ class RadixTree:
                 self.touch(n, now, reference=True)
                 n.hit_count += 1
                 self._refresh(n)
-        return self._result(path)
+        return self._result(path, start)
 
-    def _result(self, path: list[TreeNode]) -> MatchResult:
+    def _result(self, path: list[TreeNode], base: TreeNode) -> MatchResult:
         counts = [0, 0, 0]
         segments = []
         for n in path:
             t = 0 if n.loc[0] is not None else 1 if n.loc[1] is not None else 2
             counts[t] += n.num_pages
             segments.append((n, TIERS[t]))
-        last = path[-1] if path else self.root
-        return MatchResult(path, last, counts[0], counts[1], counts[2], segments)
+        last = path[-1] if path else base
+        return MatchResult(path, last, counts[0], counts[1], counts[2], segments, base)
 
     def path_tokens(self, node: TreeNode) -> tuple[int, ...]:
-        """All tokens from the root down to and including `node`."""
+        """All tokens from its namespace's root down to and including `node`."""
         parts = []
-        while node is not self.root:
+        while not node.base:
             parts.append(node.tokens)
             node = node.parent
         return tuple(itertools.chain.from_iterable(reversed(parts)))
 
     def last_key(self, node: TreeNode) -> bytes:
-        """The chain key of the last page of `node` (the namespace for the root)."""
-        return node.keys[-1] if node is not self.root else self.namespace
+        """The chain key of the last page of `node` (a namespace root's seed for a namespace root)."""
+        return node.keys[-1] if node.keys else node.seed  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ insertion
 
@@ -368,8 +432,9 @@ class RadixTree:
     def _set_loc(self, node: TreeNode, ti: int, pages: list[Any]) -> None:
         node.loc[ti] = pages
         self.pages_in[ti] += len(pages)
+        self.order.group_pages[ti][node.group] += len(pages)
         parent = node.parent
-        if parent is not self.root:
+        if not parent.base:
             parent.tier_children[ti] += 1
             self._leaves[ti].discard(parent)
         if node.tier_children[ti] == 0:
@@ -407,9 +472,10 @@ class RadixTree:
         pages = node.loc[ti]
         node.loc[ti] = None
         self.pages_in[ti] -= len(pages)
+        self.order.group_pages[ti][node.group] -= len(pages)
         self._leaves[ti].discard(node)
         parent = node.parent
-        if parent is not self.root:
+        if not parent.base:
             parent.tier_children[ti] -= 1
             if parent.tier_children[ti] == 0 and parent.loc[ti] is not None:
                 self._leaves[ti].add(parent)
@@ -457,47 +523,35 @@ class RadixTree:
             for ti, pages in enumerate(n.loc):
                 if pages is not None:
                     self.pages_in[ti] -= len(pages)
+                    self.order.group_pages[ti][n.group] -= len(pages)
                     self._leaves[ti].discard(n)
             stack.extend(n.children.values())
             n.parent = None
         return removed
 
     def _push(self, ti: int, node: TreeNode) -> None:
-        heap = self._heaps[ti]
-        priority = self.priorities[ti]
-        heapq.heappush(heap, (priority(node), next(self._seq), node))
-        if len(heap) > 4 * len(self._leaves[ti]) + 1024:
-            self._heaps[ti] = [(priority(n), next(self._seq), n) for n in self._leaves[ti]]
-            heapq.heapify(self._heaps[ti])
+        self.order.push(ti, node)
 
     def _refresh(self, node: TreeNode) -> None:
-        for ti in range(3):
-            if node in self._leaves[ti]:
-                self._push(ti, node)
+        self.order.refresh(node)
+
+    def set_quotas(self, tier: str, quotas: dict[int, int]) -> None:
+        """Pages each share group may keep in `tier` when it is contended: eviction there takes the pages of the
+        groups over their quota first (radix.order)."""
+        self.order.set_quotas(_TIER_INDEX[tier], quotas)
+
+    def group_pages(self, tier: str) -> dict[int, int]:
+        """Pages of `tier` held per share group."""
+        return {g: n for g, n in self.order.group_pages[_TIER_INDEX[tier]].items() if n}
 
     def pop_evictable(self, tier: str, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
-        """The lowest-priority unlocked leaf of `tier` (no child resident in `tier`), or None.
+        """The lowest-priority unlocked leaf of `tier` (no child resident in `tier`), or None; with quotas, from
+        the share groups over theirs first (radix.order).
 
         The node is not modified: the caller moves or drops its pages, then calls clear_location.
         Nodes for which `skip(node)` is true are passed over.
         """
-        ti = _TIER_INDEX[tier]
-        heap, leaves = self._heaps[ti], self._leaves[ti]
-        passed = []
-        found = None
-        while heap:
-            prio, _, node = heapq.heappop(heap)
-            if node not in leaves or prio != self.priorities[ti](node) or self._held(node, ti):
-                continue  # stale entry; locked and pinned nodes are pushed again on unlock / unpin
-            if skip is not None and skip(node):
-                passed.append(node)
-                continue
-            found = node
-            heapq.heappush(heap, (prio, next(self._seq), node))  # stays a candidate until cleared
-            break
-        for node in passed:
-            self._push(ti, node)
-        return found
+        return self.order.pop(_TIER_INDEX[tier], self._held, skip)
 
     def pop_evictable_interior(self, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
         """The lowest-priority host copy that may go although children stay in host memory (see the module doc):
@@ -579,11 +633,12 @@ class RadixTree:
     # ------------------------------------------------------------------ inspection
 
     def nodes(self) -> Iterator[TreeNode]:
-        """All nodes except the root, parents before children."""
+        """All nodes that hold pages (not the namespace roots), parents before children."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            yield node
+            if not node.base:
+                yield node
             stack.extend(node.children.values())
 
     def owned_pages(self, tier: str) -> list[Any]:
@@ -635,6 +690,21 @@ class RadixTree:
                 pages_in[ti] += len(pages)
         if pages_in != self.pages_in:
             fail(f"page counts per tier {self.pages_in} but nodes hold {pages_in}")
+        for ti in range(3):
+            by_group: dict[int, int] = {}
+            for node in self.nodes():
+                if node.loc[ti] is not None:
+                    by_group[node.group] = by_group.get(node.group, 0) + node.num_pages
+            if by_group != self.group_pages(TIERS[ti]):
+                fail(f"{TIERS[ti]} pages per share group {self.group_pages(TIERS[ti])} but nodes hold {by_group}")
+        roots = [n for n in self.root.children.values() if n.base]
+        if len(roots) != self._namespaces:
+            fail(f"{len(roots)} namespace roots, {self._namespaces} counted")
+        for ns_root in roots:
+            if self.root.children.get(ns_root.ns) is not ns_root or ns_root.keys or ns_root.loc != [None] * 3:
+                fail(f"namespace root {ns_root} is not keyed by its id, or holds pages")
+            if any(child.group != ns_root.group for child in ns_root.children.values()):
+                fail(f"a child of namespace root {ns_root} is in another share group")
         for ti in range(3):
             for n in self._leaves[ti]:
                 if n.parent is None:

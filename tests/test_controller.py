@@ -689,7 +689,7 @@ def test_a_short_prefetch_goes_on_where_it_stopped_once_room_is_freed():
     assert second.pages == 1 and second.short
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short  # still no room
     matches = []
-    h.ctrl.lookup.match = lambda tokens, real=h.ctrl.lookup.match: matches.append(1) or real(tokens)
+    h.ctrl.lookup.match = lambda tokens, base=None, real=h.ctrl.lookup.match: matches.append(1) or real(tokens, base)
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short
     assert not matches  # nothing gave host room back since it stopped: not even matched again
     h.ctrl.release_prefetch(first)

@@ -25,6 +25,7 @@ from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status, StepOutput
 from hicache.engine.sampling import make_generator, sample
 from hicache.engine.scheduler import Scheduler
+from radix import DEFAULT_NAMESPACE, CacheNamespace
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +166,10 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: Any = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: Any = None,
+                    namespace: CacheNamespace = DEFAULT_NAMESPACE) -> None:
         """Queue a request. Bad prompts or limits do not raise: the next step() reports an "error" output.
+        `namespace`: the part of the cache it may match and fill (radix.namespace; a tenant's, a salt's).
 
         Raises ValueError only for a request id already in use or invalid sampling parameters.
         """
@@ -175,7 +178,7 @@ class Engine:
         params = SamplingParams.of(sampling_params)
         prompt = [int(t) for t in prompt_token_ids]
         max_tokens = min(params.max_tokens or self.config.default_max_tokens, max(self.max_context - len(prompt), 1))
-        req = Request(request_id, len(prompt), prompt, params, max_tokens)
+        req = Request(request_id, len(prompt), prompt, params, max_tokens, namespace)
         error = self._check(req)
         if error is not None:
             req.status, req.finish_reason, req.error = Status.FINISHED, "error", error

@@ -9,6 +9,7 @@ from typing import Any
 
 from controller.stats import HIT_TIERS
 from hicache.engine.params import SamplingParams
+from radix import DEFAULT_NAMESPACE, CacheNamespace
 
 
 class Status(enum.Enum):
@@ -73,6 +74,7 @@ class Request:
     token_ids: list[int]  # prompt + generated so far; the last one's KV is not computed yet in decode
     params: SamplingParams
     max_tokens: int
+    namespace: CacheNamespace = DEFAULT_NAMESPACE  # the part of the cache it may match and fill (a tenant's)
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     ticket: Any = None  # controller LoadTicket while admitted

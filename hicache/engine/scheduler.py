@@ -261,7 +261,7 @@ class Scheduler:
             req.prefetched = True
             req.prefetched_at = now
             limit = (len(req.token_ids) - 1) // self.page_size
-            req.prefetch_hold = self.ctrl.prefetch(req.token_ids, max_pages=limit, hold=hold)
+            req.prefetch_hold = self.ctrl.prefetch(req.token_ids, max_pages=limit, hold=hold, namespace=req.namespace)
             if req.prefetch_hold.short:
                 break  # no room left: the requests behind it would find none either
 
@@ -275,7 +275,7 @@ class Scheduler:
         ticket whose load failed, which this one retries."""
         ps = self.page_size
         ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps, overlap=True,
-                                   replaces=replaces)
+                                   replaces=replaces, namespace=req.namespace)
         req.ticket = ticket
         self._release_prefetch(req)  # the ticket holds what it uses now
         req.pages = ticket.prefix_pages()  # the gap's pages come from alloc_device as it is computed

@@ -25,7 +25,7 @@ from controller import CostModel, L3Worker, TierController, WritePolicy
 from hicache.replay.reuse import ReuseProfile
 from hicache.replay.store import ReplayL3
 from hicache.replay.trace import TraceRecord
-from radix import DISK, TIERS, RadixTree, namespace_fingerprint
+from radix import DEFAULT_NAMESPACE, DISK, TIERS, CacheNamespace, RadixTree, namespace_fingerprint
 from tiers import MetadataPool
 
 
@@ -107,8 +107,8 @@ class _ReplayController(TierController):
 
     last_runs: list[tuple[str, int]] = []
 
-    def match(self, tokens: Sequence[int]) -> Any:
-        m = super().match(tokens)
+    def match(self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE) -> Any:
+        m = super().match(tokens, namespace)
         self.last_runs = [(tier, node.num_pages) for node, tier in m.segments]
         return m
 

@@ -1,0 +1,113 @@
+"""Eviction order: per tier, the leaves that may leave it, in heaps by priority, one heap per share group.
+
+A share group is a tenant's part of the cache (`RadixTree.namespace_root`). Without quotas the order is one
+priority order over every group's leaves. With quotas (`set_quotas`, pages per group and tier), a tier that
+must make room takes it first from the groups over their quota, lowest priority first among them; only when
+none of them has an evictable leaf does it take from any group. A tenant that floods the cache so evicts its
+own pages, and another tenant's prefix within its share stays.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+Node = Any  # radix.tree.TreeNode (has .group); kept untyped here to avoid an import cycle
+
+
+class EvictionOrder:
+    """The evictable-leaf sets, priority heaps and pages per share group of the three tiers.
+
+    `priorities[ti]` ranks a node in tier ti (lowest leaves first). Heap entries go stale when a node's
+    priority changes or it stops being a leaf; `pop` skips those, and a tier's heaps are rebuilt from its leaf
+    set when they hold four times as many entries as there are leaves."""
+
+    def __init__(self, priorities: list[Callable[[Node], Any]]):
+        self.priorities = priorities
+        self.leaves: list[set[Node]] = [set(), set(), set()]
+        self.heaps: list[dict[int, list[tuple[Any, int, Node]]]] = [{}, {}, {}]
+        self.group_pages: list[defaultdict[int, int]] = [defaultdict(int), defaultdict(int), defaultdict(int)]
+        self.quotas: list[dict[int, int]] = [{}, {}, {}]
+        self._entries = [0, 0, 0]
+        self._seq = itertools.count()
+
+    def set_quotas(self, ti: int, quotas: dict[int, int]) -> None:
+        """Pages each group may keep in tier ti when the tier is contended (groups not named have no quota)."""
+        self.quotas[ti] = dict(quotas)
+
+    def over_quota(self, ti: int) -> list[int]:
+        """Groups holding more pages of tier ti than their quota."""
+        pages = self.group_pages[ti]
+        return [g for g, quota in self.quotas[ti].items() if pages.get(g, 0) > quota]
+
+    def push(self, ti: int, node: Node) -> None:
+        heap = self.heaps[ti].get(node.group)
+        if heap is None:
+            heap = self.heaps[ti][node.group] = []
+        heapq.heappush(heap, (self.priorities[ti](node), next(self._seq), node))
+        self._entries[ti] += 1
+        if self._entries[ti] > 4 * len(self.leaves[ti]) + 1024:
+            self._rebuild(ti)
+
+    def _rebuild(self, ti: int) -> None:
+        priority = self.priorities[ti]
+        heaps: dict[int, list[tuple[Any, int, Node]]] = {}
+        for node in self.leaves[ti]:
+            heaps.setdefault(node.group, []).append((priority(node), next(self._seq), node))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self.heaps[ti] = heaps
+        self._entries[ti] = len(self.leaves[ti])
+
+    def refresh(self, node: Node) -> None:
+        """Queue node again where it is a leaf (its priority changed, or it may leave a tier now)."""
+        for ti in range(3):
+            if node in self.leaves[ti]:
+                self.push(ti, node)
+
+    def pop(self, ti: int, held: Callable[[Node, int], bool], skip: Callable[[Node], bool] | None) -> Node | None:
+        """The leaf of tier ti to evict next: from the groups over their quota if one of them has one, else from
+        any group; never one `held` or `skip`ped. The node stays a candidate (the caller clears its location)."""
+        over = self.over_quota(ti) if self.quotas[ti] else ()
+        if over:
+            found = self._pick(ti, over, held, skip)
+            if found is not None:
+                return found
+        return self._pick(ti, list(self.heaps[ti]), held, skip)
+
+    def _pick(self, ti: int, groups: Iterable[int], held: Callable[[Node, int], bool],
+              skip: Callable[[Node], bool] | None) -> Node | None:
+        best, best_prio = None, None
+        for group in groups:
+            entry = self._top(ti, group, held, skip)
+            if entry is not None and (best is None or entry[0] < best_prio):
+                best_prio, best = entry
+        return best
+
+    def _top(self, ti: int, group: int, held: Callable[[Node, int], bool],
+             skip: Callable[[Node], bool] | None) -> tuple[Any, Node] | None:
+        """The group's lowest-priority leaf that may go (left in its heap), and its priority."""
+        heap = self.heaps[ti].get(group)
+        if not heap:
+            return None
+        leaves, priority = self.leaves[ti], self.priorities[ti]
+        passed = []
+        found = None
+        while heap:
+            prio, _, node = heapq.heappop(heap)
+            self._entries[ti] -= 1
+            if node not in leaves or prio != priority(node) or held(node, ti):
+                continue  # stale entry; locked and pinned nodes are pushed again on unlock / unpin
+            if skip is not None and skip(node):
+                passed.append(node)
+                continue
+            found = (prio, node)
+            heapq.heappush(heap, (prio, next(self._seq), node))  # stays a candidate until cleared
+            self._entries[ti] += 1
+            break
+        for node in passed:
+            self.push(ti, node)
+        return found
