@@ -336,7 +336,8 @@ class TierController:
     def report(self) -> dict[str, Any]:
         """Counters, tier usage and the cost model, for the engine's stats and /metrics."""
         cache = {**self.stats.snapshot(), "l3_write_waiting_pages": self.writes.waiting_disk_pages}
-        return {"cache": cache, "tiers": self.usage(), "cost_model": self.cost.describe()}
+        groups = {tier: self.tree.group_pages(tier) for tier in (DEVICE, HOST, DISK)}
+        return {"cache": cache, "tiers": self.usage(), "group_pages": groups, "cost_model": self.cost.describe()}
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Used and capacity pages per tier present."""

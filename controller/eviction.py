@@ -48,48 +48,63 @@ class Eviction:
         self.write_pending: Callable[[TreeNode], bool] = lambda node: False
         self.landing: list[tuple[Any, list[int]]] = []  # (copy, host pages) freed while that copy still lands
 
-    def allocate(self, tier: str, n: int, protect: TreeNode | None = None) -> list[int] | None:
-        """n free pages of the GPU or host tier, evicting there as needed (never `protect`); None if impossible."""
+    def allocate(self, tier: str, n: int, protect: TreeNode | None = None, group: int | None = None
+                 ) -> list[int] | None:
+        """n free pages of the GPU or host tier, evicting there as needed (never `protect`); None if impossible.
+        `group`: the share group the pages will cache (a backup, a prefetch): with shares, pages that would put it
+        over its own may evict only the pages of groups over theirs, its own first (`evict`)."""
         pool = self.device if tier == DEVICE else self.host
         if n > pool.capacity_pages:
             return None
         if tier == HOST and self.landing and pool.allocator.free_pages < n:
             self.reap_host_frees()
         if pool.allocator.free_pages < n:
-            self.evict(tier, n - pool.allocator.free_pages, protect)
+            self.evict(tier, n - pool.allocator.free_pages, protect, group, n)
         if tier == HOST and self.landing and pool.allocator.free_pages < n:
             self.reap_host_frees(wait=True)  # no other room: the pages of the copies landing are the room
         return pool.allocate(n)
 
-    def evict(self, tier: str, need: int, protect: TreeNode | None = None) -> int:
+    def evict(self, tier: str, need: int, protect: TreeNode | None = None, group: int | None = None,
+              incoming: int = 0) -> int:
         """Evict the lowest-priority unlocked leaves of a tier until `need` pages are free there. The host copy of
-        a locked node on the GPU may go (see radix.tree), unless a copy to the GPU still reads it."""
+        a locked node on the GPU may go (see radix.tree), unless a copy to the GPU still reads it.
+
+        With shares (TierController.set_shares) the leaves of the groups over their share go first. Room for
+        `incoming` pages of share group `group` that would put it over its own share comes only from those
+        groups and its own pages: a tenant flooding the cache evicts itself, never another's pages within their
+        share (the room is then not made, and the caller drops what it would have cached)."""
         freed = 0
+        groups, strict = self.tree.quota_victims(tier, group, incoming)
         if tier == HOST:
             skip = lambda node: node is protect or (node.lock_ref > 0 and not self.transfers.ready(node))  # noqa: E731
         else:
             skip = (lambda node: node is protect) if protect is not None else None
         while freed < need:
-            node, interior = self._pick_host(skip) if tier == HOST else (self.tree.pop_evictable(tier, skip), False)
+            node, interior = (self._pick_host(skip, groups) if tier == HOST
+                              else (self.tree.pop_evictable(tier, skip, groups), False))
+            if node is None and groups is not None and not strict:
+                groups = None  # the groups over their share have nothing left to give: any group's, by priority
+                continue
             if node is None:
                 break
             freed += self.evict_node(tier, self._tail(node, need - freed), interior)
         return freed
 
-    def _pick_host(self, skip: Any) -> tuple[TreeNode | None, bool]:
+    def _pick_host(self, skip: Any, groups: list[int] | None = None) -> tuple[TreeNode | None, bool]:
         """The next host copy to evict, and whether it is an interior one: the lowest-priority leaf whose L3 write
         is not pending; else a host copy above held ones that L3 has (radix.tree); else any leaf, even one whose
         write waits for the queue (it is dropped). Under write pressure the host tier is full of new pages
         waiting for the disk and of the prefixes above them: dropping the new pages while copies of bytes that
         L3 holds stayed lost them for good, and the engine then waited for their GPU -> host copies to land."""
         pending = self.write_pending
-        node = self.tree.pop_evictable(HOST, lambda n: skip(n) or pending(n))
+        node = self.tree.pop_evictable(HOST, lambda n: skip(n) or pending(n), groups)
         if node is not None:
             return node, False
-        node = self.tree.pop_evictable_interior(skip)
+        outside = (lambda n: skip(n) or n.group not in groups) if groups is not None else skip
+        node = self.tree.pop_evictable_interior(outside)
         if node is not None:
             return node, True
-        return self.tree.pop_evictable(HOST, skip), False
+        return self.tree.pop_evictable(HOST, skip, groups), False
 
     def _tail(self, node: TreeNode, pages: int) -> TreeNode:
         """The last `pages` pages of node as their own node (split off), or node if it is no larger.
@@ -213,16 +228,21 @@ class Eviction:
     def make_disk_room(self, n: int, writing: TreeNode | None = None) -> bool:
         """Evict L3 leaves until n more pages fit under the disk capacity. `writing`: the node the room is for; its
         ancestors stay (an ancestor only on disk is an L3 leaf while the node is not written yet, and evicting it
-        would take the node, its prefix gone, out of the tree)."""
+        would take the node, its prefix gone, out of the tree). With shares, room for a share group over its own
+        comes only from its pages and those of groups over theirs (see `evict`)."""
         if n > self.disk_capacity:
             return False
+        groups, strict = self.tree.quota_victims(DISK, writing.group if writing is not None else None, n)
         path: set[int] = set()
         while writing is not None:
             path.add(writing.id)
             writing = writing.parent
         skip = (lambda node: node.id in path) if path else None
         while (over := self.tree.pages_in[2] + self.disk_inflight + n - self.disk_capacity) > 0:
-            node = self.tree.pop_evictable(DISK, skip)
+            node = self.tree.pop_evictable(DISK, skip, groups)
+            if node is None and groups is not None and not strict:
+                groups = None
+                continue
             if node is None:
                 return False
             self.evict_node(DISK, self._tail(node, over))

@@ -353,7 +353,7 @@ class Loads:
                         own = sum(k for _, k in hold.pins)
                         hold.short = n <= self.staging_pages - own
                         break
-                    host_pages = self.eviction.allocate(HOST, n)
+                    host_pages = self.eviction.allocate(HOST, n, group=chunk.group)
                     if host_pages is None:
                         if not retry:  # counted once per request, not once per step it asks again
                             self.stats.drops["host_full_on_prefetch"] += n

@@ -281,7 +281,7 @@ class Writes:
         if self.transfers.failed(node) or not self.transfers.ready(node):
             return False  # its own load is in flight (or failed): nothing to back up yet
         n = node.num_pages
-        host_pages = self.eviction.allocate(HOST, n, protect=node)
+        host_pages = self.eviction.allocate(HOST, n, protect=node, group=node.group)
         if host_pages is None:
             self.stats.drops["host_full"] += n
             self._report_host_full(n)
@@ -474,7 +474,7 @@ class Writes:
             return
         # the node may have been split since: its upper parts are ancestors holding keys of this write
         part = node
-        while not part.removed and part.keys[0] in c.keys:
+        while not part.removed and not part.base and part.keys[0] in c.keys:
             if not part.on_disk:
                 self.tree.set_location(part, DISK, list(part.keys))
             part = part.parent

@@ -182,6 +182,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # a YAML file of tenants, their API keys and their shares of the cache (hicache/server/tenants.py)
+    tenants_file: str | None = None
     max_body_bytes: int = 4 << 20
     trace_log: str | None = None
     served_model_name: str | None = None

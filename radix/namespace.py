@@ -30,6 +30,14 @@ class CacheNamespace:
 DEFAULT_NAMESPACE = CacheNamespace()
 
 
+def namespace_seed(fingerprint: bytes, ns: bytes | None) -> bytes:
+    """The first link of namespace `ns`'s key chains in a cache whose namespace fingerprint is `fingerprint`
+    (radix.hashing): the fingerprint itself for the default namespace."""
+    if ns is None:
+        return fingerprint
+    return hashlib.blake2b(fingerprint + ns, digest_size=KEY_BYTES, person=b"hicache-tenant").digest()
+
+
 def namespace_id(*parts: str) -> bytes:
     """A 16-byte namespace id for `parts` (a tenant's name, a salt): equal parts, equal ids; the parts are
     length-prefixed, so ("ab", "c") and ("a", "bc") differ."""

@@ -68,9 +68,26 @@ class EvictionOrder:
             if node in self.leaves[ti]:
                 self.push(ti, node)
 
-    def pop(self, ti: int, held: Callable[[Node, int], bool], skip: Callable[[Node], bool] | None) -> Node | None:
-        """The leaf of tier ti to evict next: from the groups over their quota if one of them has one, else from
-        any group; never one `held` or `skip`ped. The node stays a candidate (the caller clears its location)."""
+    def victims(self, ti: int, group: int | None, incoming: int) -> tuple[list[int] | None, bool]:
+        """Whose pages room for `incoming` pages of share group `group` may come from in tier ti: (the groups,
+        None for any; strict). The groups over their quota, and `group` itself where the new pages would put it
+        over its own: then it is strict, and may take room from no group within its quota."""
+        quotas = self.quotas[ti]
+        if group is None or not quotas:
+            return None, False
+        over = self.over_quota(ti)
+        strict = self.group_pages[ti].get(group, 0) + incoming > quotas.get(group, float("inf"))
+        if strict and group not in over:
+            over.append(group)
+        return (over or None), strict
+
+    def pop(self, ti: int, held: Callable[[Node, int], bool], skip: Callable[[Node], bool] | None,
+            groups: list[int] | None = None) -> Node | None:
+        """The leaf of tier ti to evict next, never one `held` or `skip`ped: from `groups` only where given, else
+        from the groups over their quota if one of them has one, else from any group. The node stays a candidate
+        (the caller clears its location)."""
+        if groups is not None:
+            return self._pick(ti, groups, held, skip)
         over = self.over_quota(ti) if self.quotas[ti] else ()
         if over:
             found = self._pick(ti, over, held, skip)

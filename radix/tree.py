@@ -26,13 +26,13 @@ Invariants (checked by `check_integrity`):
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from radix.hashing import KEY_BYTES, page_keys
+from radix.namespace import namespace_seed
 from radix.order import EvictionOrder
 from radix.policy import DEFAULT_HALF_LIFE, eviction_priority, tier_policies
 
@@ -245,8 +245,7 @@ class RadixTree:
         if node is None:
             if len(ns) != KEY_BYTES:
                 raise ValueError(f"a namespace id is {KEY_BYTES} bytes, got {len(ns)}")
-            seed = hashlib.blake2b(self.namespace + ns, digest_size=KEY_BYTES, person=b"hicache-tenant").digest()
-            node = NamespaceRoot(self.root, ns, seed, group)
+            node = NamespaceRoot(self.root, ns, namespace_seed(self.namespace, ns), group)
             self.root.children[ns] = node  # type: ignore[index]
             self._namespaces += 1
         elif node.group != group:
@@ -544,14 +543,20 @@ class RadixTree:
         """Pages of `tier` held per share group."""
         return {g: n for g, n in self.order.group_pages[_TIER_INDEX[tier]].items() if n}
 
-    def pop_evictable(self, tier: str, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
-        """The lowest-priority unlocked leaf of `tier` (no child resident in `tier`), or None; with quotas, from
-        the share groups over theirs first (radix.order).
+    def quota_victims(self, tier: str, group: int | None, incoming: int) -> tuple[list[int] | None, bool]:
+        """Whose pages of `tier` may make room for `incoming` pages of share group `group`: (groups, None for any;
+        strict: `group` would go over its quota, so no group within its quota gives room). radix.order."""
+        return self.order.victims(_TIER_INDEX[tier], group, incoming)
+
+    def pop_evictable(self, tier: str, skip: Callable[[TreeNode], bool] | None = None,
+                      groups: list[int] | None = None) -> TreeNode | None:
+        """The lowest-priority unlocked leaf of `tier` (no child resident in `tier`), or None: of share `groups`
+        only where given; else, with quotas, from the groups over theirs first (radix.order).
 
         The node is not modified: the caller moves or drops its pages, then calls clear_location.
         Nodes for which `skip(node)` is true are passed over.
         """
-        return self.order.pop(_TIER_INDEX[tier], self._held, skip)
+        return self.order.pop(_TIER_INDEX[tier], self._held, skip, groups)
 
     def pop_evictable_interior(self, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
         """The lowest-priority host copy that may go although children stay in host memory (see the module doc):

@@ -104,3 +104,18 @@ def test_a_group_over_its_quota_with_nothing_evictable_leaves_room_to_the_others
     tree.set_quotas(HOST, {1: 4, 2: 4})
     assert evict_host(tree, 1) == [1]
     tree.check_integrity()
+
+
+def test_room_for_a_group_that_would_go_over_its_quota_comes_only_from_itself_and_groups_over_theirs():
+    tree = RadixTree(4)
+    fill(tree, A, 1, 6, 0, salt=1)
+    fill(tree, B, 2, 2, 100, salt=2)
+    tree.set_quotas(HOST, {1: 8, 2: 4})
+    assert tree.quota_victims(HOST, None, 3) == (None, False)  # nobody asks: the plain order
+    assert tree.quota_victims(HOST, 1, 2) == (None, False)  # alice stays within her quota: any group's pages
+    assert tree.quota_victims(HOST, 2, 3) == ([2], True)  # bob would go over his: only his own
+    groups, strict = tree.quota_victims(HOST, 2, 3)
+    assert tree.pop_evictable(HOST, groups=groups).group == 2
+    fill(tree, B, 2, 4, 200, salt=3)  # bob is over his quota now: alice's room may come from him
+    assert tree.quota_victims(HOST, 1, 1) == ([2], False)
+    assert tree.quota_victims(HOST, 1, 3) == ([2, 1], True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from hicache.engine.engine import Engine
 from hicache.engine.request import StepOutput, Usage
-from radix import TIERS
+from radix import DEFAULT_NAMESPACE, TIERS, CacheNamespace
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,14 @@ class EngineThread:
 
     # ------------------------------------------------------------------ any thread
 
-    def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: Any, sink: Sink) -> None:
-        """Queue a request; `sink` gets its StepOutputs (called on the engine thread) until one is finished."""
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: Any, sink: Sink,
+               namespace: CacheNamespace = DEFAULT_NAMESPACE) -> None:
+        """Queue a request; `sink` gets its StepOutputs (called on the engine thread) until one is finished.
+        `namespace`: the part of the cache it may match and fill (Engine.add_request)."""
         if self.error is not None or self._stop.is_set():
             sink(error_output(request_id, f"engine is not running: {self.error or 'shut down'}"))
             return
-        self._commands.put(("add", request_id, list(prompt_token_ids), sampling_params, sink))
+        self._commands.put(("add", request_id, list(prompt_token_ids), sampling_params, sink, namespace))
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its sink gets a final "abort" output) and free its pages."""
@@ -156,9 +158,9 @@ class EngineThread:
     def _run(self, command: tuple[Any, ...]) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, sink = command
+            _, request_id, prompt, params, sink, namespace = command
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, namespace)
             except (ValueError, TypeError) as e:
                 sink(error_output(request_id, str(e), len(prompt)))
                 return
@@ -212,7 +214,8 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: Any = None
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: Any = None,
+        namespace: CacheNamespace = DEFAULT_NAMESPACE,
     ) -> AsyncIterator[StepOutput]:
         """Submit a request and yield its outputs until the finished one; closing the iterator aborts it."""
         loop = asyncio.get_running_loop()
@@ -222,6 +225,7 @@ class AsyncEngine:
             prompt_token_ids,
             sampling_params,
             lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+            namespace,
         )
         finished = False
         try:

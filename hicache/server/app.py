@@ -2,15 +2,15 @@
 
 Request flow: read the body (size-limited), parse JSON and validate it (pydantic, protocol.py) ->
 generation.py: tokenize in a worker thread, check the context limit, run on the engine thread, answer
-JSON or SSE. Every error is an OpenAI error object: 400 bad input, 401 bad key, 404 unknown model or
-path, 413 body too large. The app's shutdown (after uvicorn drained requests) stops the engine,
-which closes the L3 store.
+JSON or SSE. The API key names the request's tenant, whose cache namespace (with the request's
+`cache_salt`) it matches and fills (tenants.py). Every error is an OpenAI error object: 400 bad input, 401 bad
+key, 404 unknown model or path, 413 body too large. The app's shutdown (after uvicorn drained requests) stops
+the engine, which closes the L3 store.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,32 +26,23 @@ from hicache.engine.runner import AsyncEngine
 from hicache.server import protocol as p
 from hicache.server.generation import ServerState, generate
 from hicache.server.metrics import CONTENT_TYPE, ServerMetrics
+from hicache.server.tenants import Tenant, Tenants
 from hicache.server.trace_log import TraceLog
 
 logger = logging.getLogger(__name__)
 
 
-def bearer_matches(header: str, key: str) -> bool:
-    """Whether an Authorization header carries `key` as a bearer token. The scheme is case-insensitive (RFC 7235);
-    the header's bytes, which the server hands over decoded as Latin-1, are compared with the key's UTF-8 bytes,
-    so a non-ASCII key sent as UTF-8 matches. Constant time in the token."""
-    scheme, _, token = header.partition(" ")
-    try:
-        raw = token.strip().encode("latin-1")
-    except UnicodeEncodeError:  # not a header's bytes: nothing a client sent
-        return False
-    return scheme.lower() == "bearer" and hmac.compare_digest(raw, key.encode("utf-8"))
-
-
-def create_app(engine: AsyncEngine, config: Config, model_name: str, api_key: str | None = None,
+def create_app(engine: AsyncEngine, config: Config, model_name: str, tenants: Tenants | None = None,
                trace_log: str | None = None) -> FastAPI:
-    """The server app over a running AsyncEngine; its lifespan shuts the engine down (closing L3)."""
+    """The server app over a running AsyncEngine; its lifespan shuts the engine down (closing L3). `tenants`:
+    who may call it and in which cache namespace (default: everyone, in one)."""
     prometheus_client.disable_created_metrics()
     cache = engine.engine.cache
+    tenants = tenants if tenants is not None else Tenants.build(None, None)
     state = ServerState(
-        engine, config, model_name, ServerMetrics(cache.sizes.page_bytes),
+        engine, config, model_name, ServerMetrics(cache.sizes.page_bytes, tenants.group_names(), tenants.names),
         TraceLog(trace_log, cache.namespace, cache.layout.page_size) if trace_log else None,
-        api_key, p.now(),
+        tenants, p.now(),
     )
 
     @asynccontextmanager
@@ -66,7 +57,7 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, api_key: st
         await asyncio.to_thread(engine.shutdown, 120.0)
 
     # the interactive docs describe the API to whoever asks: not when the API is behind a key
-    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs = {} if not tenants.auth_required else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="hicache", lifespan=lifespan, **docs)
     app.state.hicache = state
 
@@ -85,12 +76,12 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, api_key: st
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(p.error_body(str(e.detail), kind), status_code=e.status_code)
 
-    def authorize(request: Request) -> None:
-        if state.api_key is None:
-            return
-        if not bearer_matches(request.headers.get("authorization", ""), state.api_key):
+    def authorize(request: Request) -> Tenant:
+        tenant = tenants.authenticate(request.headers.get("authorization", ""))
+        if tenant is None:
             raise p.APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                              code="invalid_api_key")
+        return tenant
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -117,16 +108,16 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, api_key: st
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        authorize(request)
+        tenant = authorize(request)
         req = p.validate(p.CompletionRequest, await p.read_json(request, config.server.max_body_bytes))
         prompt = p.completion_prompt(req)
-        return await generate(state, request, req, prompt, chat=False)
+        return await generate(state, request, req, prompt, chat=False, tenant=tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        authorize(request)
+        tenant = authorize(request)
         req = p.validate(p.ChatCompletionRequest, await p.read_json(request, config.server.max_body_bytes))
         messages = p.chat_messages(req)
-        return await generate(state, request, req, messages, chat=True)
+        return await generate(state, request, req, messages, chat=True, tenant=tenant)
 
     return app

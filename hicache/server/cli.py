@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, help="prefill tokens per step (scheduler.chunk_tokens)")
     p.add_argument("--max-context-tokens", type=int, help="context limit (scheduler.max_context_tokens)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (or set ${API_KEY_ENV})")
+    p.add_argument("--tenants", metavar="FILE", help="a YAML file of tenants: each one's API keys and share of the "
+                   "cache; a tenant's requests match only its own cached prefixes (server.tenants_file; "
+                   "docs/server.md, 'Tenants')")
     p.add_argument("--max-body-bytes", type=int, help=f"request body limit (default {_SERVER.max_body_bytes})")
     p.add_argument("--trace-log", metavar="FILE", help="append one JSON line per finished request (replayable)")
     p.add_argument("--drain-timeout", type=float, default=60.0,
@@ -84,6 +87,7 @@ def build_config(args: argparse.Namespace) -> Config:
         "model.cuda_graph_max_batch": args.cuda_graph_max_batch, "model.decode_kernel": args.decode_kernel,
         "server.host": args.host, "server.port": args.port, "server.served_model_name": args.served_model_name,
         "server.max_body_bytes": args.max_body_bytes, "server.trace_log": args.trace_log,
+        "server.tenants_file": args.tenants,
         "cache.page_size": args.page_size, "cache.load_policy.mode": args.load_mode,
         "cache.load_policy.overlap": args.load_overlap,
         "scheduler.max_running_requests": args.max_running_requests, "scheduler.chunk_tokens": args.chunk_tokens,
@@ -156,8 +160,10 @@ def run(args: argparse.Namespace) -> int:
     from hicache.engine.builder import build_engine
     from hicache.engine.runner import AsyncEngine
     from hicache.server.app import create_app
+    from hicache.server.tenants import Tenants
 
     trace = _trace_window(args.trace_steps) if args.trace_gpu else None
+    tenants = Tenants.build(cfg.server.api_key, cfg.server.tenants_file)  # a bad file fails before anything else
     sock = preflight(cfg)  # a busy port or a bad L3 path fails now, not after the model has loaded
     from hicache.engine.engine import EngineHalted
 
@@ -168,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache serve: the tensor-parallel group did not start: {e}", file=sys.stderr)
         exit_without_teardown(1, always=True)
         return 1
+    built.cache.controller.set_shares(tenants.shares())
     if trace is not None:
         built.trace_gpu(args.trace_gpu, *trace)
     if args.step_log:
@@ -177,13 +184,13 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         s = cfg.server
-        app = create_app(engine, cfg, s.served_model_name or cfg.model.name, s.api_key, s.trace_log)
+        app = create_app(engine, cfg, s.served_model_name or cfg.model.name, tenants, s.trace_log)
         gc_stats.freeze_startup()  # the model, the cache stack and the app live as long as the process
         gc_stats.process_timer()  # /metrics reports the collections from here on (serving, not startup)
         config = uvicorn.Config(app, host=s.host, port=s.port, log_config=None, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
-        logger.info("serving %s on http://%s:%d (auth %s)", cfg.model.name, s.host, s.port,
-                    "on" if s.api_key else "off")
+        logger.info("serving %s on http://%s:%d (auth %s, tenants: %s)", cfg.model.name, s.host, s.port,
+                    "on" if tenants.auth_required else "off", ", ".join(tenants.names))
         server = _Server(config)
         if cfg.model.tp_size > 1:  # a lost rank ends the engine thread: the server goes with it
             threading.Thread(target=_stop_with_engine, args=(engine.runner, server), name="hicache-engine-watch",

@@ -24,7 +24,9 @@ from hicache.engine.request import StepOutput
 from hicache.engine.runner import AsyncEngine
 from hicache.server import protocol as p
 from hicache.server.metrics import ServerMetrics
+from hicache.server.tenants import Tenant, Tenants
 from hicache.server.trace_log import FinishedRequest, TraceLog
+from radix import CacheNamespace
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     trace: TraceLog | None
-    api_key: str | None
+    tenants: Tenants
     created: int
 
 
@@ -73,9 +75,11 @@ def _check_context(state: ServerState, prompt_len: int, max_tokens: int | None) 
 class _Tracker:
     """Timing and metrics of one request; `finish` records it once."""
 
-    def __init__(self, state: ServerState, prompt_ids: list[int]):
+    def __init__(self, state: ServerState, prompt_ids: list[int], tenant: Tenant, namespace: CacheNamespace):
         self.state = state
         self.prompt_ids = prompt_ids
+        self.tenant = tenant.name
+        self.namespace = namespace
         self.arrival = time.perf_counter()
         self.wall_ms = time.time() * 1000.0
         self.first_token: float | None = None
@@ -101,12 +105,15 @@ class _Tracker:
         usage = out.usage
         m.generation_tokens.inc(usage.completion_tokens)
         m.request_prompt_tokens.inc(usage.prompt_tokens)
+        m.tenant_prompt_tokens.labels(self.tenant).inc(usage.prompt_tokens)
         for tier, n in usage.cached_tokens.items():
             m.request_cached_tokens.labels(tier).inc(n)
+            m.tenant_cached_tokens.labels(self.tenant, tier).inc(n)
         if self.state.trace is not None and reason != "abort":
             ttft = None if self.first_token is None else (self.first_token - self.arrival) * 1000.0
             self.state.trace.submit(
-                FinishedRequest(self.wall_ms, self.prompt_ids, usage.completion_tokens, dict(usage.cached_tokens), ttft)
+                FinishedRequest(self.wall_ms, self.prompt_ids, usage.completion_tokens, dict(usage.cached_tokens), ttft,
+                                self.namespace.id)
             )
 
 
@@ -128,7 +135,8 @@ async def _watch_disconnect(request: Request, engine: AsyncEngine, request_id: s
             return
 
 
-async def generate(state: ServerState, request: Request, req: Any, prompt: Any, chat: bool) -> Response:
+async def generate(state: ServerState, request: Request, req: Any, prompt: Any, chat: bool, tenant: Tenant) -> Response:
+    """Run one request of `tenant` in its cache namespace (tenants.py) and answer it."""
     if req.model is not None and req.model != state.model_name:
         raise p.APIError(404, f"the model '{req.model}' does not exist (this server serves '{state.model_name}')",
                          param="model", code="model_not_found")
@@ -139,9 +147,10 @@ async def generate(state: ServerState, request: Request, req: Any, prompt: Any, 
     prompt_ids = await _tokenize(state, prompt, chat)
     _check_context(state, len(prompt_ids), params.max_tokens)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    tracker = _Tracker(state, prompt_ids)
+    namespace = state.tenants.namespace(tenant, req.cache_salt)
+    tracker = _Tracker(state, prompt_ids, tenant, namespace)
     engine = state.engine
-    outputs = engine.generate(request_id, prompt_ids, params)
+    outputs = engine.generate(request_id, prompt_ids, params, namespace)
     watcher = asyncio.create_task(_watch_disconnect(request, engine, request_id))
     streaming = False
     try:

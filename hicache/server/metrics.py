@@ -77,8 +77,9 @@ def _pair_counter(name: str, doc: str, values: dict[str, int], pairs: tuple[tupl
 class CacheCollector:
     """Turns the latest engine stats and L3 stats into metric families (set them before each scrape)."""
 
-    def __init__(self, page_bytes: int):
+    def __init__(self, page_bytes: int, group_names: dict[int, str] | None = None):
         self.page_bytes = page_bytes
+        self.group_names = group_names or {0: "default"}  # share group -> tenant label (never a key or salt)
         self.stats: dict[str, Any] = {}
         self.l3: dict[str, Any] | None = None
 
@@ -110,9 +111,21 @@ class CacheCollector:
         yield GaugeMetricFamily("hicache_l3_write_waiting_pages", "Pages in host memory whose L3 write waits for room "
                                 "in the write queue", value=cache.get("l3_write_waiting_pages", 0))
         yield from self._tiers(s.get("tiers", {}))
+        yield self._tenant_pages(s.get("group_pages", {}))
         yield from self._cost(s.get("cost_model", {}))
         yield from self._l3()
         yield from self._scheduler(s)
+
+    def _tenant_pages(self, group_pages: dict[str, dict[int, int]]) -> Metric:
+        """Pages each tenant's namespaces hold per tier (the shared namespace's as "shared"): what the tenants'
+        shares of the tiers are measured against."""
+        family = GaugeMetricFamily("hicache_tenant_cache_pages", "Cached pages per tenant and tier",
+                                   labels=["tenant", "tier"])
+        for tier in TIERS:
+            held = group_pages.get(tier, {})
+            for group, name in sorted(self.group_names.items()):
+                family.add_metric([name, tier], held.get(group, 0))
+        return family
 
     def _cost(self, cost: dict[str, Any]) -> Iterator[Metric]:
         """The load-or-recompute model's inputs as the planner sees them now (the disk's follows measured reads)."""
@@ -224,9 +237,10 @@ class GcCollector:
 class ServerMetrics:
     """The server's registry: the cache collector plus request histograms and counters."""
 
-    def __init__(self, page_bytes: int):
+    def __init__(self, page_bytes: int, group_names: dict[int, str] | None = None,
+                 tenant_names: tuple[str, ...] = ("default",)):
         self.registry = CollectorRegistry(auto_describe=False)
-        self.cache = CacheCollector(page_bytes)
+        self.cache = CacheCollector(page_bytes, group_names)
         self.registry.register(self.cache)
         self.registry.register(GcCollector())
         r = self.registry
@@ -241,12 +255,20 @@ class ServerMetrics:
         self.request_cached_tokens = Counter("hicache_request_cached_tokens",
                                              "Prompt tokens of finished requests served from each tier", ["tier"],
                                              registry=r)
+        self.tenant_prompt_tokens = Counter("hicache_tenant_prompt_tokens", "Prompt tokens of finished requests "
+                                            "per tenant", ["tenant"], registry=r)
+        self.tenant_cached_tokens = Counter("hicache_tenant_cached_tokens", "Prompt tokens of finished requests "
+                                            "served from each tier, per tenant", ["tenant", "tier"], registry=r)
         self.generation_tokens = Counter("hicache_generation_tokens", "Tokens generated", registry=r)
         self.in_flight = Gauge("hicache_http_requests_in_flight", "Generation requests being served", registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)
         for tier in TIERS:
             self.request_cached_tokens.labels(tier)
+        for tenant in tenant_names:
+            self.tenant_prompt_tokens.labels(tenant)
+            for tier in TIERS:
+                self.tenant_cached_tokens.labels(tenant, tier)
 
     def render(self, stats: dict[str, Any], l3: dict[str, Any] | None) -> bytes:
         """The exposition text for these stats."""

@@ -99,6 +99,9 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, Any] | None = None
     logprobs: Any = None
     user: str | None = None
+    # the request's cache namespace within its tenant's (vLLM's field): prefixes match only between requests with
+    # the same salt (hicache/server/tenants.py)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # OpenAI features this server does not implement: refused by name when asked for (see sampling_params)
     tools: list[Any] | None = None
     tool_choice: Any = None

@@ -16,6 +16,7 @@ import aiofiles
 
 from hicache.replay.trace import trace_line
 from radix import page_keys
+from radix.namespace import namespace_seed
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class FinishedRequest:
     output_length: int
     cached_tokens: dict[str, int]
     ttft_ms: float | None
+    namespace_id: bytes | None = None  # its cache namespace's (radix.namespace); None: the default one
 
 
 class TraceLog:
@@ -58,7 +60,8 @@ class TraceLog:
         """The JSON lines of records (hashes every full prompt page: run in a worker thread)."""
         lines = []
         for r in records:
-            keys = page_keys(self.namespace, list(r.prompt_token_ids), self.page_size)
+            # pages of two namespaces never match: their hashes differ, so a replay finds no hit between them
+            keys = page_keys(namespace_seed(self.namespace, r.namespace_id), list(r.prompt_token_ids), self.page_size)
             lines.append(trace_line(r.timestamp_ms, len(r.prompt_token_ids), r.output_length, keys,
                                     self.page_size, r.cached_tokens, r.ttft_ms))
         return "".join(lines)

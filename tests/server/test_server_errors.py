@@ -121,12 +121,15 @@ def test_api_key(locked) -> None:
 
 
 def test_the_bearer_scheme_is_case_insensitive_and_a_utf8_key_matches_as_sent() -> None:
-    from hicache.server.app import bearer_matches
+    from hicache.server.tenants import Tenants
 
     key = "clé-ü-🔑"
+    tenants = Tenants.build(key, None)
+    matches = lambda header: tenants.authenticate(header) is not None  # noqa: E731
     sent = "Bearer " + key.encode("utf-8").decode("latin-1")  # the header's bytes as the server hands them over
-    assert bearer_matches(sent, key) and bearer_matches(sent.replace("Bearer", "bEaReR"), key)
-    assert not bearer_matches("Bearer " + key.encode("utf-8").decode("latin-1")[:-1], key)
-    assert not bearer_matches("Basic " + key, key) and not bearer_matches("", key)
-    assert not bearer_matches("Bearer " + key, key)  # not bytes a client could send: refused, not an error
-    assert bearer_matches(f"bearer {KEY}", KEY) and not bearer_matches(f"Bearer {KEY}x", KEY)
+    assert matches(sent) and matches(sent.replace("Bearer", "bEaReR"))
+    assert not matches("Bearer " + key.encode("utf-8").decode("latin-1")[:-1])
+    assert not matches("Basic " + key) and not matches("")
+    assert not matches("Bearer " + key)  # not bytes a client could send: refused, not an error
+    tenants = Tenants.build(KEY, None)
+    assert tenants.authenticate(f"bearer {KEY}").name == "default" and tenants.authenticate(f"Bearer {KEY}x") is None
