@@ -142,7 +142,9 @@ class Engine:
             cache.controller, config.max_running_requests, config.chunk_tokens, config.prefill_batch_tokens,
             admit_during_forward=config.admit_during_forward,
         )
-        limit = model.config.max_position_embeddings
+        # the longest sequence it can serve: the model's positions, the configured cap, and what the GPU pool holds
+        # for one request alone (its KV cannot live anywhere else while it runs); /v1/models reports it
+        limit = min(model.config.max_position_embeddings, self.device_pages * cache.layout.page_size)
         self.max_context = min(config.max_context_tokens or limit, limit)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -296,6 +298,8 @@ class Engine:
         if not done:
             return []
         rows, reqs = [i for i, _ in done], [req for _, req in done]
+        if any(req.num_output < req.params.min_tokens for req in reqs):
+            logits = self._hold_stops(logits, done)
         try:
             chosen = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs])
         except Exception:  # noqa: BLE001 - find the row: one request's parameters must not fail the others
@@ -307,6 +311,19 @@ class Engine:
                     out.append(e)
             return out
         return self._download(chosen)
+
+    def _hold_stops(self, logits: torch.Tensor, done: list[tuple[int, Request]]) -> torch.Tensor:
+        """`logits` with the stop ids (EOS unless ignore_eos, and stop_token_ids) of requests short of their
+        min_tokens set to -inf, so they cannot be sampled (a copy: the forward's buffer may be a CUDA graph's)."""
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for row, req in done:
+            p = req.params
+            if req.num_output < p.min_tokens:
+                banned = [t for t in {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)} if t < vocab]
+                if banned:
+                    logits[row, banned] = float("-inf")
+        return logits
 
     def _forward(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
         ps = self.page_size
@@ -345,7 +362,11 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+        if req.num_output < p.min_tokens:  # too early to stop (its stop ids were not sampleable)
+            req.text += req.detokenizer.push([token])
+            if req.num_output >= req.max_tokens or len(req.token_ids) >= self.max_context:
+                self._finish(req, "length")
+        elif token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             self._finish(req, "stop")
         elif self._add_text(req, req.detokenizer.push([token])):
             self._finish(req, "stop", flush=False)

@@ -53,10 +53,12 @@ class SamplingParams(SamplerParams):
 
     max_tokens None means the scheduler's default_max_tokens; `stop` strings end generation when the
     decoded text contains one (the stop string itself is trimmed); `stop_token_ids` (and the model's
-    EOS ids unless ignore_eos) end it when sampled. Invalid values raise ValueError naming the field.
+    EOS ids unless ignore_eos) end it when sampled. Before `min_tokens` tokens those ids are never sampled and
+    no stop string ends it (vLLM's rule). Invalid values raise ValueError naming the field.
     """
 
     max_tokens: int | None = None
+    min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -75,6 +77,10 @@ class SamplingParams(SamplerParams):
             not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
         ):
             raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
     @classmethod
     def of(cls, params: SamplerParams | dict[str, Any] | None = None, **kwargs: Any) -> SamplingParams:

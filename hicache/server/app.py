@@ -65,6 +65,13 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, tenants: Te
     async def api_error(_: Request, e: p.APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(p.ClientGone)
+    async def client_gone(request: Request, _: p.ClientGone) -> Response:
+        # a client that left while sending costs one quiet line, not a traceback (cheap connections would flood
+        # the log); the response goes nowhere
+        logger.info("%s %s: the client disconnected while sending its request", request.method, request.url.path)
+        return Response(status_code=400)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": str(e)}

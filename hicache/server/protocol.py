@@ -15,7 +15,7 @@ import time
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from controller.stats import HIT_TIERS
 from hicache.engine.params import SamplingParams
@@ -84,6 +84,7 @@ class _SamplingRequest(BaseModel):
 
     model: str | None = None
     max_tokens: Integer | None = Field(None, ge=1, le=INT_MAX)
+    min_tokens: Integer = Field(0, ge=0, le=INT_MAX)  # vLLM's: no EOS, stop id or stop string ends it earlier
     temperature: Number | None = Field(None, ge=0, le=1e4)
     top_p: Number | None = Field(None, gt=0, le=1)
     top_k: Integer | None = Field(None, ge=-1, le=INT_MAX)
@@ -192,15 +193,33 @@ def now() -> int:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON; 413 beyond `limit` bytes, 400 if it is not JSON."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"request body is {length} bytes; the limit is {limit}")
+    """The request body as JSON; 413 beyond `limit` bytes, 400 if it is not JSON or its framing is ambiguous.
+
+    A body over the limit is read to its end and dropped (up to DRAIN_LIMIT bytes more), so that a client still
+    sending it gets the 413 rather than a connection reset. A client that goes away while sending is answered
+    with nothing: `ClientGone`, which the app turns into a quiet log line."""
+    headers = request.headers
+    if "transfer-encoding" in headers and "content-length" in headers:
+        # RFC 9112 6.1: a request with both may be an attempt at request smuggling; refuse it, reading nothing
+        raise APIError(400, "a request may not have both Content-Length and Transfer-Encoding")
+    length = headers.get("content-length")
+    declared = int(length) if length is not None and length.isdigit() else None
+    if declared is not None and declared > limit + DRAIN_LIMIT:
+        raise APIError(413, f"request body is {length} bytes; the limit is {limit}")  # not worth reading
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                body += chunk
+            elif size > limit + DRAIN_LIMIT:
+                break
+    except ClientDisconnect:
+        raise ClientGone() from None
+    if size > limit:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {limit}" if declared is not None
+                       else f"request body exceeds the limit of {limit} bytes")
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -208,6 +227,13 @@ async def read_json(request: Request, limit: int) -> Any:
     except RecursionError:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
     return data
+
+
+DRAIN_LIMIT = 16 << 20  # bytes of a too-large body read and dropped before answering 413
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read: nobody is left to answer."""
 
 
 def _check_text(text: str, param: str) -> str:
@@ -247,7 +273,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
     for name, bad in unsupported.items():
         if bad:
             raise APIError(400, f"{name}={getattr(req, name)!r} is not supported", param=name)
-    values: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "seed": req.seed}
+    values: dict[str, Any] = {"max_tokens": max_tokens, "min_tokens": req.min_tokens, "ignore_eos": req.ignore_eos,
+                              "seed": req.seed}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             values[name] = getattr(req, name)

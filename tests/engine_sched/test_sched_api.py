@@ -33,3 +33,23 @@ def test_generate_command(tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 0
     assert "prompt tokens" in captured.err
+
+
+def test_min_tokens_holds_back_stop_ids_and_stop_strings(tiny):
+    """The greedy first token made a stop id ends a request at once; with min_tokens 3 it cannot be sampled
+    before the third token, and the request runs to at least 3 tokens. min_tokens above max_tokens is refused."""
+    import pytest
+
+    llm = hicache.LLM(override(Config(), TINY), model=tiny[0], tokenizer=tiny[1])
+    prompt = [5, 6, 7, 8, 9]
+    free = llm.generate(prompt, temperature=0.0, max_tokens=6, ignore_eos=True)[0].token_ids
+    first = free[0]
+    stopped = llm.generate(prompt, temperature=0.0, max_tokens=6, ignore_eos=True, stop_token_ids=[first])[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate(prompt, temperature=0.0, max_tokens=6, ignore_eos=True, stop_token_ids=[first],
+                        min_tokens=3)[0]
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
+    assert held.finish_reason == ("stop" if first in held.token_ids else "length")
+    with pytest.raises(ValueError, match="min_tokens \\(7\\) must not exceed max_tokens \\(6\\)"):
+        llm.generate(prompt, max_tokens=6, min_tokens=7)
+    llm.close()

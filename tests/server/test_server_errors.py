@@ -56,11 +56,19 @@ def test_unknown_fields_are_ignored(server) -> None:
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", 0), ("max_tokens", 0), ("max_tokens", -5),
-    ("n", 2), ("seed", -1), ("presence_penalty", 1.0), ("logprobs", True), ("stop", [""]),
+    ("n", 2), ("seed", -1), ("presence_penalty", 1.0), ("logprobs", True), ("stop", [""]), ("min_tokens", -1),
+    ("min_tokens", 1.0), ("cache_salt", ""), ("cache_salt", "s" * 1025), ("cache_salt", 7),
 ])
 def test_impossible_sampling_parameters(server, field, value) -> None:
     err = assert_error(post(server, "/v1/chat/completions", json={**CHAT, field: value}), 400)
     assert field in err["message"]
+
+
+def test_min_tokens_is_honoured_and_bounded_by_max_tokens(server) -> None:
+    err = assert_error(post(server, "/v1/chat/completions", json={**CHAT, "max_tokens": 4, "min_tokens": 5}), 400)
+    assert err["param"] == "min_tokens" and "must not exceed max_tokens" in err["message"]
+    r = post(server, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 8, "min_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
 def test_prompt_longer_than_context(server) -> None:
@@ -68,6 +76,20 @@ def test_prompt_longer_than_context(server) -> None:
     assert_error(r, 400, code="context_length_exceeded")
     r = post(server, "/v1/completions", json={"model": MODEL, "prompt": "x" * 1000, "max_tokens": 1500})
     assert_error(r, 400, code="context_length_exceeded")
+
+
+def test_the_context_limit_is_what_the_gpu_pool_holds_and_is_reported(start_server, tmp_path) -> None:
+    """A GPU pool of 512 tokens under a model of 2048 positions: /v1/models says 512, and a longer prompt is
+    refused as over the context (OpenAI's code), not as a pool error."""
+    from server_helpers import tiny_config
+
+    srv = start_server("--config", str(tiny_config(tmp_path, **{"cache.device.size_tokens": 512})))
+    card = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]
+    assert card["max_model_len"] == 512
+    r = post(srv, "/v1/completions", json={"model": MODEL, "prompt": [1 + i % 200 for i in range(600)], "max_tokens": 1})
+    assert_error(r, 400, code="context_length_exceeded")
+    r = post(srv, "/v1/completions", json={"model": MODEL, "prompt": [1 + i % 200 for i in range(500)], "max_tokens": 1})
+    assert r.status_code == 200
 
 
 def test_bad_prompts(server) -> None:
