@@ -86,9 +86,10 @@ def test_the_context_limit_is_what_the_gpu_pool_holds_and_is_reported(start_serv
     srv = start_server("--config", str(tiny_config(tmp_path, **{"cache.device.size_tokens": 512})))
     card = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]
     assert card["max_model_len"] == 512
-    r = post(srv, "/v1/completions", json={"model": MODEL, "prompt": [1 + i % 200 for i in range(600)], "max_tokens": 1})
+    ids = lambda n: [1 + i % 200 for i in range(n)]  # noqa: E731
+    r = post(srv, "/v1/completions", json={"model": MODEL, "prompt": ids(600), "max_tokens": 1})
     assert_error(r, 400, code="context_length_exceeded")
-    r = post(srv, "/v1/completions", json={"model": MODEL, "prompt": [1 + i % 200 for i in range(500)], "max_tokens": 1})
+    r = post(srv, "/v1/completions", json={"model": MODEL, "prompt": ids(500), "max_tokens": 1})
     assert r.status_code == 200
 
 
