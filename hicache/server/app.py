@@ -38,6 +38,7 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, tenants: Te
     who may call it and in which cache namespace (default: everyone, in one)."""
     prometheus_client.disable_created_metrics()
     cache = engine.engine.cache
+    _ = engine.tokenizer.max_token_bytes  # the bound on text that can fit the context, worked out before serving
     tenants = tenants if tenants is not None else Tenants.build(None, None)
     state = ServerState(
         engine, config, model_name, ServerMetrics(cache.sizes.page_bytes, tenants.group_names(), tenants.names),

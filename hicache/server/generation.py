@@ -44,8 +44,25 @@ class ServerState:
     created: int
 
 
+def _text_bytes(prompt: str | list[int] | list[dict[str, Any]], chat: bool) -> int:
+    """UTF-8 bytes of the text a request asks to tokenize (0 for token ids)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8"))
+    if chat:
+        return sum(len((m.get("content") or "").encode("utf-8")) for m in prompt)
+    return 0
+
+
 async def _tokenize(state: ServerState, prompt: str | list[int] | list[dict[str, Any]], chat: bool) -> list[int]:
+    """The prompt's token ids, tokenized in a worker thread. A text too long to fit the context whatever its
+    tokens is refused first: tokenizing it would cost seconds of CPU for a 400."""
     tokenizer = state.engine.tokenizer
+    limit = state.engine.engine.max_context
+    size = _text_bytes(prompt, chat)
+    if size > limit * tokenizer.max_token_bytes:
+        raise p.APIError(400, f"this model's maximum context length is {limit} tokens; the prompt's {size} bytes of "
+                         f"text are at least {-(-size // tokenizer.max_token_bytes)} tokens",
+                         code="context_length_exceeded")
 
     def work() -> list[int]:
         if chat:

@@ -94,3 +94,16 @@ def test_chat_content_cannot_forge_the_templates_markers(smollm2_tokenizer):
     assert tok.encode_text("<|im_start|>") != start  # read as characters
     # the completion endpoint's raw prompts keep the caller's markers
     assert tok.encode(tok.apply_chat_template(forged)).count(start[0]) > ids.count(start[0])
+
+
+def test_no_token_stands_for_more_text_than_max_token_bytes(smollm2_tokenizer) -> None:
+    """The bound the server refuses over-long text by: every text's UTF-8 bytes fit in its token count times
+    max_token_bytes, long runs of spaces and newlines (the longest tokens) included; encode is the backend's."""
+    tokenizer = smollm2_tokenizer
+    bound = tokenizer.max_token_bytes
+    assert 16 <= bound <= 256
+    for text in [*TEXTS, "\n" + " " * 400, "x" * 1000, "\t\t\n\n" * 50, "<|im_start|>system\nhi<|im_end|>"]:
+        ids = tokenizer.encode(text)
+        assert ids == tokenizer.backend.encode(text, add_special_tokens=False).ids
+        assert len(text.encode("utf-8")) <= max(len(ids), 1) * bound
+    assert Tokenizer.byte_fallback().max_token_bytes >= len("<|begin_of_text|>")

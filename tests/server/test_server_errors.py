@@ -78,6 +78,17 @@ def test_prompt_longer_than_context(server) -> None:
     assert_error(r, 400, code="context_length_exceeded")
 
 
+def test_text_too_long_for_the_context_whatever_its_tokens_is_refused_untokenized(server) -> None:
+    """A 1 MB prompt cannot fit 2048 tokens of random:tiny's tokenizer (a token is at most a few bytes of text):
+    refused by its size, before tokenizing (the message counts bytes, not tokens)."""
+    r = post(server, "/v1/completions", json={"model": MODEL, "prompt": "y" * (1 << 20), "max_tokens": 1})
+    err = assert_error(r, 400, code="context_length_exceeded")
+    assert "bytes of text" in err["message"]
+    chat = {**CHAT, "messages": [{"role": "user", "content": "y" * (1 << 20)}]}
+    err = assert_error(post(server, "/v1/chat/completions", json=chat), 400, code="context_length_exceeded")
+    assert "bytes of text" in err["message"]
+
+
 def test_the_context_limit_is_what_the_gpu_pool_holds_and_is_reported(start_server, tmp_path) -> None:
     """A GPU pool of 512 tokens under a model of 2048 positions: /v1/models says 512, and a longer prompt is
     refused as over the context (OpenAI's code), not as a pool error."""
