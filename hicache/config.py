@@ -185,6 +185,11 @@ class ServerConfig:
     # a YAML file of tenants, their API keys and their shares of the cache (hicache/server/tenants.py)
     tenants_file: str | None = None
     max_body_bytes: int = 4 << 20
+    # a request's headers must arrive within header_timeout_s, its body within body_timeout_s of them
+    # (hicache/server/http.py); an idle keep-alive connection closes after keep_alive_s
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0
     trace_log: str | None = None
     served_model_name: str | None = None
 
@@ -329,6 +334,8 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"{source}: server.port: must be in 1..65535, got {cfg.server.port}")
     _positive(cfg.server.max_body_bytes, "server.max_body_bytes", source)
+    for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+        _positive(getattr(cfg.server, name), f"server.{name}", source)
     _positive(cfg.model.tp_rank, "model.tp_rank", source, allow_zero=True)
     _check_tensor_parallel(cfg.model, source)
     _positive(cfg.model.cuda_graph_max_batch, "model.cuda_graph_max_batch", source, allow_zero=True)

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from hicache.engine.builder import build_engine
     from hicache.engine.runner import AsyncEngine
     from hicache.server.app import create_app
+    from hicache.server.http import protocol_options
     from hicache.server.tenants import Tenants
 
     trace = _trace_window(args.trace_steps) if args.trace_gpu else None
@@ -188,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
         gc_stats.freeze_startup()  # the model, the cache stack and the app live as long as the process
         gc_stats.process_timer()  # /metrics reports the collections from here on (serving, not startup)
         config = uvicorn.Config(app, host=s.host, port=s.port, log_config=None, access_log=args.access_log,
-                                timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+                                timeout_graceful_shutdown=args.drain_timeout, lifespan="on",
+                                timeout_keep_alive=s.keep_alive_s,
+                                **protocol_options(s.header_timeout_s, s.body_timeout_s))
         logger.info("serving %s on http://%s:%d (auth %s, tenants: %s)", cfg.model.name, s.host, s.port,
                     "on" if tenants.auth_required else "off", ", ".join(tenants.names))
         server = _Server(config)

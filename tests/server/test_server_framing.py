@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import time
 
+import httpx
 from server_helpers import wait_for
 
 MODEL = "random:tiny"
@@ -62,3 +63,25 @@ def test_a_chunked_body_over_the_limit_gets_413(server) -> None:
     sock.sendall(b"0\r\n\r\n")
     assert status_of(sock) == 413
     sock.close()
+
+
+def test_a_request_whose_headers_or_body_never_finish_is_cut_off(start_server, tmp_path) -> None:
+    """Read deadlines of 1 s: half a header line, or the headers and half a body, then silence; the server
+    closes both connections (recv gets EOF) and goes on serving."""
+    from server_helpers import tiny_config
+
+    srv = start_server("--config", str(tiny_config(tmp_path)), "--set", "server.header_timeout_s=1",
+                       "--set", "server.body_timeout_s=1")
+    half_header = connect(srv)
+    half_header.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+    half_body = connect(srv)
+    half_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\"")
+    silent = connect(srv)  # connected, nothing sent
+    for sock in (half_header, half_body, silent):
+        sock.settimeout(30)
+        assert sock.recv(4096) == b""  # EOF: the server closed it (a socket timeout would fail the test)
+        sock.close()
+    assert wait_for(lambda: srv.log_path.read_text(errors="replace").count("did not arrive within 1 s") >= 3)
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200
