@@ -179,7 +179,7 @@ def build_tiers(cfg: Config, layout: KVLayout, dtype: str, device: torch.device 
         sync_pages = c.sync_batch_pages or max(32, SYNC_BATCH_BYTES // layout.page_bytes)
         store_args = dict(path=l3_directory(cfg, int(fields.get("tp_rank", 0))),
                           capacity_bytes=sizes.disk_pages * slot_bytes, page_bytes=layout.page_bytes,
-                          namespace=ns, io_backend=c.io_backend, io_threads=c.io_threads,
+                          namespace=ns, namespace_fields=fields, io_backend=c.io_backend, io_threads=c.io_threads,
                           sync_batch_pages=sync_pages, admission_hits=c.admission_hits,
                           read_limit_bytes_per_s=c.read_limit_gbps * 1e9,
                           write_limit_bytes_per_s=c.write_limit_gbps * 1e9) if sizes.disk_pages else None

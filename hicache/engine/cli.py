@@ -18,10 +18,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=int, default=None, help="default: scheduler.default_max_tokens")
-    p.add_argument("--temperature", type=float, default=_DEFAULTS.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=_DEFAULTS.top_p)
-    p.add_argument("--top-k", type=int, default=_DEFAULTS.top_k)
-    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    p.add_argument("--temperature", type=float, default=_DEFAULTS.temperature,
+                   help="sampling temperature (default %(default)s: it samples, so runs differ unless --seed is "
+                        "given; 0 = greedy, the same tokens every run)")
+    p.add_argument("--top-p", type=float, default=_DEFAULTS.top_p, help="nucleus sampling (default %(default)s: off)")
+    p.add_argument("--top-k", type=int, default=_DEFAULTS.top_k, help="sample from the k likeliest tokens "
+                   "(default %(default)s: off)")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="seed of the sampler: the same seed, the same "
+                   "tokens (default: none)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
     p.add_argument("--model", default=None, help="model name or directory (overrides model.name)")

@@ -53,3 +53,13 @@ def test_min_tokens_holds_back_stop_ids_and_stop_strings(tiny):
     with pytest.raises(ValueError, match="min_tokens \\(7\\) must not exceed max_tokens \\(6\\)"):
         llm.generate(prompt, max_tokens=6, min_tokens=7)
     llm.close()
+
+
+def test_generate_help_says_it_samples_by_default(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default 1.0: it samples" in text and "0 = greedy" in text

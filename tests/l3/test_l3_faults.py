@@ -223,12 +223,38 @@ def test_other_format_version_is_refused_untouched(tmp_path):
 
 def test_wrong_namespace_or_page_bytes_is_an_error(tmp_path):
     L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE).close()
-    with pytest.raises(L3Error, match="namespace") as err:
+    with pytest.raises(L3Error, match="other settings") as err:
         L3Store(tmp_path / "s", 8 * 8192, 8192, bytes(16))
-    assert str(tmp_path / "s") in str(err.value)
+    assert str(tmp_path / "s") in str(err.value) and "cache.l3.path" in str(err.value)
     with pytest.raises(L3Error, match="page_bytes"):
         L3Store(tmp_path / "s", 8 * 8192, 4096, NAMESPACE)
     L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE).close()  # still fine, and not locked by failures
+
+
+def test_a_store_of_other_settings_names_the_settings_that_differ(tmp_path):
+    fields = {"model": "smollm2-135m-instruct", "dtype": "bfloat16", "page_size": 16}
+    L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE, namespace_fields=fields).close()
+    with pytest.raises(L3Error) as err:
+        L3Store(tmp_path / "s", 8 * 8192, 8192, bytes(16), namespace_fields={**fields, "page_size": 64})
+    message = str(err.value)
+    assert "page_size 16 there, 64 here" in message and "model" not in message.split("settings:")[1].split(".")[0]
+    assert f"remove {tmp_path / 's'} to start over" in message
+
+
+def test_a_deleted_index_is_a_warning_naming_the_pages_lost(tmp_path, caplog):
+    with L3Store(tmp_path / "s", 16 * 8192, 8192, NAMESPACE) as store:
+        keys = [key(i) for i in range(6)]
+        assert all(store.write_pages(keys, [content(k, 8192) for k in keys]))
+    index = tmp_path / "s" / "index.lmdb"
+    for part in (index.iterdir() if index.is_dir() else [index]):
+        part.unlink()
+    if index.is_dir():
+        index.rmdir()
+    with caplog.at_level("WARNING", logger="tiers.l3.store"):
+        with L3Store(tmp_path / "s", 16 * 8192, 8192, NAMESPACE) as store:
+            assert store.used_pages() == 0 and store.stats()["dropped_entries"] >= 6
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("index.lmdb) is missing" in m and "About" in m for m in warned), warned
 
 
 def test_second_writer_gets_a_lock_error(tmp_path):

@@ -29,7 +29,8 @@ from tiers.l3.format import (
     index_key,
     slot_bytes_for,
 )
-from tiers.l3.index import index_map_bytes, move_aside, open_index
+from tiers.l3.identity import allocated_slots, namespace_difference, write_namespace_fields
+from tiers.l3.index import INDEX_NAME, index_map_bytes, move_aside, open_index
 from tiers.l3.io import KvikioSlotIO, PosixSlotIO, kvikio_compat_mode, kvikio_usable
 from tiers.l3.lockfile import WriterLock, prepare_directory
 from tiers.l3.ratelimit import TokenBucket
@@ -65,8 +66,11 @@ class L3Store:
                  io_backend: str = "auto", io_threads: int = 4, sync_batch_pages: int = 32,
                  admission_hits: int = 0, read_only: bool = False, max_io_bytes: int = 16 << 20,
                  degraded_retry_s: float = 30.0, read_limit_bytes_per_s: float = 0.0,
-                 write_limit_bytes_per_s: float = 0.0) -> None:
+                 write_limit_bytes_per_s: float = 0.0, namespace_fields: dict | None = None) -> None:
         self.path = os.path.abspath(os.fspath(path))
+        # what the namespace fingerprints (model, dtype, layout, page size, rank), kept beside the slab so that a
+        # server opening the store with other settings is told which ones differ
+        self.namespace_fields = dict(namespace_fields or {})
         if io_backend not in IO_BACKENDS:
             raise L3Error(errno.EINVAL, f"{self.path}: io_backend {io_backend!r} not in {IO_BACKENDS}")
         if not isinstance(namespace, bytes) or len(namespace) != NAMESPACE_BYTES:
@@ -126,7 +130,14 @@ class L3Store:
         if header is None and self.read_only:
             raise L3Error(errno.ENOENT, f"{file}: no usable slab ({reason})")
         map_bytes = index_map_bytes(max(slot_count, header.slot_count if header else 0))
+        index_existed = os.path.exists(os.path.join(self.path, INDEX_NAME))
         self._index, resets = open_index(self.path, map_bytes, self.read_only)
+        if header is not None and not index_existed:
+            lost = allocated_slots(file, header.slot_bytes)
+            log.warning("%s: the index (%s) is missing: the slab's pages cannot be found without it. About %d "
+                        "pages written before are lost; the store starts empty and reuses their slots", self.path,
+                        INDEX_NAME, lost)
+            self._counters["dropped_entries"] += lost
         self._counters["index_resets"] += resets
         if header is None:
             stale = self._index.count()
@@ -142,6 +153,8 @@ class L3Store:
             create_slab(file, SlabHeader(self.namespace, self.page_bytes, slot_bytes, slot_count,
                                          created_ns=time.time_ns()))
             header = read_header(file)
+            if self.namespace_fields:
+                write_namespace_fields(self.path, self.namespace_fields)
         use_kvikio = self._pick_kvikio(io_backend)
         self._slab = SlabFile(file, header, self.read_only, want_direct=io_backend != "buffered")
         self._load(slot_count)
@@ -169,8 +182,10 @@ class L3Store:
             log.error("%s: slab header unreadable: %s", file, e)
             return None, str(e)
         if header.namespace != self.namespace:
-            raise L3Error(errno.EINVAL, f"{file}: store namespace {header.namespace.hex()} differs from "
-                                        f"requested {self.namespace.hex()} (one store holds one namespace)")
+            raise L3Error(errno.EINVAL, f"{self.path}: this store holds the KV pages of other settings: "
+                                        f"{namespace_difference(self.path, self.namespace_fields)}. Its pages "
+                                        "cannot be served with these settings: give this server another L3 "
+                                        f"directory (cache.l3.path), or remove {self.path} to start over")
         if header.page_bytes != self.page_bytes or header.slot_bytes != slot_bytes_for(self.page_bytes):
             raise L3Error(errno.EINVAL, f"{file}: store page_bytes {header.page_bytes} differs from "
                                         f"requested {self.page_bytes}")
