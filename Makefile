@@ -5,16 +5,29 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: venv install test lint serve serve-shared bench clean
+.PHONY: venv system-deps install test lint typecheck serve serve-shared bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 venv: $(BIN)/python
 
+# what the install needs from the system: a C compiler and libc headers for the native loops (setup.py), and
+# libxxhash for the L3's checksums; installed with apt-get where it is there and we are root, else named
+system-deps:
+	@missing=; \
+	command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || missing="$$missing gcc"; \
+	[ -e /usr/include/stdio.h ] || missing="$$missing libc6-dev"; \
+	ldconfig -p 2>/dev/null | grep -q 'libxxhash\.so' || missing="$$missing libxxhash0"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y -q $$missing || { apt-get update -q && apt-get install -y -q $$missing; }; \
+	  else echo "hicache needs:$$missing (Debian/Ubuntu package names); install them and run make again"; exit 1; fi; \
+	fi
+
 # torch is pinned to the CPU build that CI and developer machines carry locally;
 # on a CUDA machine install your own torch first and this step keeps it.
-install: venv
+install: venv system-deps
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'

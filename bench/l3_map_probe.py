@@ -84,7 +84,7 @@ def _case(io, case: str, path: str, memory: int, pages: int, threads: int) -> di
 def probe(directory: str, mib: int, threads: int) -> dict:
     io = native.load()
     if io is None:
-        raise SystemExit("the native L3 loop is not available here (no cc or libxxhash)")
+        raise SystemExit("the native L3 loop is not available here (not built: pip install -e .; or no libxxhash)")
     pages = max(1, mib * (1 << 20) // PAGE)
     memory = mmap.mmap(-1, pages * PAGE)
     memory[:] = b"\x5a" * (pages * PAGE)  # the host side faulted in, as the pinned host pool is

@@ -13,59 +13,18 @@ import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from hicache.replay.trace import TraceRecord
-from tiers import native_build
+from tiers import native
 
-# The same pass in C (tiers/native_build.py compiles it on first use): a pure-Python Fenwick tree took 10 s of a
-# 14 s replay of 2.9M agent-session blocks. Same results; the Python loop below stays where there is no compiler.
-_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
 
-/* ids: every access as a dense item number in [0, items), requests back to back, request r being
-   [starts[r], starts[r + 1]) at time ts[r]. Out: depths (0 = first access) and ages (-1 = first access), as the
-   Python stack_depths computes them. 0, or -1 where memory ran out. */
-int hicache_stack_depths(const int64_t *ids, int64_t n, const int64_t *starts, int64_t nreq, const double *ts,
-                         int64_t items, int64_t *depths, double *ages) {
-    int64_t size = n + 1;
-    int64_t *fenwick = calloc((size_t)size + 1, sizeof(int64_t));
-    int64_t *last = calloc((size_t)items + 1, sizeof(int64_t)); /* position of the last touch, 0 = none */
-    double *last_ts = calloc((size_t)items + 1, sizeof(double));
-    if (!fenwick || !last || !last_ts) {
-        free(fenwick); free(last); free(last_ts);
-        return -1;
-    }
-    int64_t live = 0, pos = 0;
-    for (int64_t r = 0; r < nreq; r++) {
-        int64_t a = starts[r], b = starts[r + 1];
-        double t = ts[r];
-        for (int64_t k = a; k < b; k++) {
-            int64_t x = ids[k], p = last[x];
-            if (!p) { depths[k] = 0; ages[k] = -1.0; continue; }
-            int64_t before = 0;
-            for (int64_t i = p; i; i &= i - 1) before += fenwick[i];
-            depths[k] = live - before + 1;
-            ages[k] = t - last_ts[x];
-        }
-        for (int64_t k = b - 1; k >= a; k--) {
-            int64_t x = ids[k], p = last[x];
-            if (!p) live++;
-            else for (int64_t i = p; i <= size; i += i & -i) fenwick[i]--;
-            pos++;
-            for (int64_t i = pos; i <= size; i += i & -i) fenwick[i]++;
-            last[x] = pos;
-            last_ts[x] = t;
-        }
-    }
-    free(fenwick); free(last); free(last_ts);
-    return 0;
-}
-"""
+# The same pass in C (reuse_stack.c, built at install): a pure-Python Fenwick tree took 10 s of a 14 s replay of
+# 2.9M agent-session blocks. Same results; the Python loop below runs where the library is not built.
 @functools.cache
 def _native_lib():
     """The compiled pass, once per process; None where it cannot be had."""
-    lib = native_build.build("reuse", _SOURCE, "replay stack-depth pass")
+    lib = native.load(Path(__file__).parent, "_reuse_stack", "replay stack-depth pass")
     if lib is not None:
         p = ctypes.c_void_p
         lib.hicache_stack_depths.argtypes = (p, ctypes.c_int64, p, ctypes.c_int64, p, ctypes.c_int64, p, p)

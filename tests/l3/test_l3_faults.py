@@ -399,17 +399,12 @@ def test_many_bad_pages_make_one_log_line_and_are_all_counted(tmp_path, open_sto
 
 
 def native_loop_or_skip(native):
-    """The compiled page loop; a skip only where this machine cannot have one (no C compiler or no libxxhash)."""
-    import shutil
-
-    from tiers.l3 import format as l3_format
-
+    """The native page loop, built at install (setup.py): missing, it fails the test. Skipped only where the run
+    turns it off on purpose ($HICACHE_NATIVE=0, to test the Python loop alone)."""
     if os.environ.get("HICACHE_NATIVE") == "0":
         pytest.skip("$HICACHE_NATIVE=0 turns the native L3 loop off")
-    if l3_format.stream_library() is None or not (os.environ.get("CC") or shutil.which("cc")):
-        pytest.skip("no C compiler or no libxxhash here: the native L3 loop cannot be built")
     loop = native.load()
-    assert loop is not None, "cc and libxxhash are here, yet the native L3 loop did not build (see the log)"
+    assert loop is not None, "the native L3 loop did not load: is it built (pip install -e .) and libxxhash0 there?"
     return loop
 
 

@@ -96,7 +96,7 @@ class PosixSlotIO:
         if map_reads:
             if self.native is None:
                 raise OSError(errno.ENOTSUP, f"{slab.path}: mapped reads need the native page loop "
-                                             "(a C compiler and libxxhash; see tiers/l3/native.py)")
+                                             "(built at install, with libxxhash; see tiers/l3/native.py)")
             size = slab.header.file_bytes()
             st = os.fstat(slab.meta_fd)
             writable = not slab.read_only and st.st_size >= size and st.st_blocks * 512 >= size
