@@ -971,8 +971,7 @@ def test_a_host_prefix_of_several_nodes_gets_its_gpu_pages_in_one_eviction_pass(
     assert h.dev.allocator.free_pages == 0
     passes = []
     original = h.ctrl.eviction.evict
-    h.ctrl.eviction.evict = lambda tier, need, protect=None: passes.append((tier, need)) or original(
-        tier, need, protect)
+    h.ctrl.eviction.evict = lambda tier, need, *rest: passes.append((tier, need)) or original(tier, need, *rest)
     assert h.run(seq(1, 2)[:-1] + [7] * 2 * LAYOUT.page_size + [8]) == {HOST: 4}
     assert passes == [(DEVICE, 4)]  # both nodes' pages at once (per node: two passes of 2)
     h.check_all_bytes()

@@ -198,16 +198,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         if min(req.token_ids) < 0 or max(req.token_ids) >= vocab:
             return f"prompt token ids must be in [0, {vocab})"
-        if n >= self.max_context:
+        if n >= self.max_context:  # the context is at most what the GPU pool holds: max_tokens is capped to fit it
             return f"the prompt has {n} tokens; the context limit is {self.max_context}"
-        # the last token's KV is never computed: prompt + max_tokens - 1 slots at most
-        need = -(-(n + req.max_tokens - 1) // self.page_size)
-        have = self.device_pages
-        if need > have:
-            return (
-                f"the request needs {need} GPU pages (prompt {n} + max_tokens {req.max_tokens} tokens, "
-                f"{self.page_size} per page) but the GPU pool has only {have}"
-            )
         return None
 
     def abort(self, request_id: str) -> StepOutput | None:

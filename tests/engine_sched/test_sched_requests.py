@@ -66,12 +66,13 @@ def test_request_needing_most_of_the_pool(tiny):
 
 def test_over_capacity_is_a_request_error(tiny):
     engine = make_engine(tiny, cache__page_size=4, cache__device__size_tokens=64)  # 16 pages
-    engine.add_request("huge", prompt(1, 60), SamplingParams(max_tokens=10))
+    engine.add_request("huge", prompt(1, 70), SamplingParams(max_tokens=10))  # more than the pool holds
     engine.add_request("ok", prompt(2, 10), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     engine.add_request("empty", [], SamplingParams())
     results = run_all(engine)
     huge = results["huge"][2]
-    assert huge.finished and huge.finish_reason == "error" and "GPU pool has only 16" in huge.error
+    assert huge.finished and huge.finish_reason == "error" and "the context limit is 64" in huge.error
+    assert engine.max_context == 64  # 16 pages of 4: a request longer than the pool cannot run
     assert results["empty"][2].finish_reason == "error"
     assert results["ok"][2].finish_reason == "length" and len(results["ok"][0]) == 5
     assert_no_leaks(engine)
