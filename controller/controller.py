@@ -143,7 +143,7 @@ class TierController:
 
     def match(self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE) -> MatchResult:
         """Longest cached prefix of tokens in `namespace`, extended by an L3 index probe past the in-memory tree."""
-        base = self.tree.namespace_root(namespace.id, namespace.group) if namespace.id is not None else None
+        base = self.tree.namespaces.get(namespace.id, namespace.group) if namespace.id is not None else None
         return self.lookup.match(tokens, base)
 
     def set_shares(self, shares: dict[int, float]) -> None:
@@ -319,7 +319,7 @@ class TierController:
         self.eviction.remove_invalid()
         if self.eviction.landing and self.eviction.reap_host_frees():
             self.host_room_version += 1
-        self.tree.prune_namespaces()  # no unlocked namespace root is held between steps
+        self.tree.namespaces.prune()  # no unlocked namespace root is held between steps
 
     def flush_backups(self) -> int:
         """Start every deferred backup now; returns the pages copied."""

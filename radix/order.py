@@ -1,6 +1,6 @@
 """Eviction order: per tier, the leaves that may leave it, in heaps by priority, one heap per share group.
 
-A share group is a tenant's part of the cache (`RadixTree.namespace_root`). Without quotas the order is one
+A share group is a tenant's part of the cache (`RadixTree.namespaces`). Without quotas the order is one
 priority order over every group's leaves. With quotas (`set_quotas`, pages per group and tier), a tier that
 must make room takes it first from the groups over their quota, lowest priority first among them; only when
 none of them has an evictable leaf does it take from any group. A tenant that floods the cache so evicts its

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radix.tree import TreeNode
+    from radix.node import TreeNode
 
 
 def _lru(node: TreeNode) -> Any:

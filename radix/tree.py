@@ -28,159 +28,28 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from radix.hashing import KEY_BYTES, page_keys
-from radix.namespace import namespace_seed
+from radix.integrity import check_integrity
+from radix.namespace import NamespaceRoots
+from radix.node import (
+    _DEVICE,
+    _DISK,
+    _HOST,
+    _TIER_INDEX,
+    DEVICE,
+    DISK,
+    HOST,
+    TIERS,
+    MatchResult,
+    NamespaceRoot,
+    TreeNode,
+)
 from radix.order import EvictionOrder
 from radix.policy import DEFAULT_HALF_LIFE, eviction_priority, tier_policies
 
-DEVICE, HOST, DISK = "device", "host", "disk"
-TIERS = (DEVICE, HOST, DISK)
-_TIER_INDEX = {t: i for i, t in enumerate(TIERS)}
-_DEVICE, _HOST, _DISK = _TIER_INDEX[DEVICE], _TIER_INDEX[HOST], _TIER_INDEX[DISK]
-
-
-class TreeNode:
-    """A run of whole pages; per tier, the page ids (or L3 keys) holding them, or None."""
-
-    __slots__ = (
-        "parent",
-        "children",
-        "tokens",
-        "keys",
-        "loc",
-        "tier_children",
-        "lock_ref",
-        "pin_ref",
-        "last_access",
-        "hit_count",
-        "frequency",
-        "id",
-        "group",
-    )
-
-    _ids = itertools.count()
-    base = False  # a namespace root (NamespaceRoot): the top of a key chain, holding no pages
-
-    def __init__(self, parent: TreeNode | None, tokens: tuple[int, ...], keys: list[bytes]):
-        self.parent = parent
-        self.group = parent.group if parent is not None else 0  # the share group of its namespace
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.tokens = tokens
-        self.keys = keys  # chained content hash per page: the page's L3 key
-        self.loc: list[list[Any] | None] = [None, None, None]  # per tier index: page ids / keys
-        self.tier_children = [0, 0, 0]  # children resident in each tier
-        self.lock_ref = 0
-        self.pin_ref = 0  # host pins (L3 writes in flight), counted along the path
-        self.last_access = 0
-        self.hit_count = 0
-        self.frequency = 0.0  # references, decayed to last_access (the "lrfu" policy); see RadixTree.touch
-        self.id = next(TreeNode._ids)
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.keys)
-
-    def pages(self, tier: str) -> list[Any] | None:
-        """Page ids of this node in `tier` (L3 keys for the disk tier), or None."""
-        return self.loc[_TIER_INDEX[tier]]
-
-    @property
-    def device_pages(self) -> list[int] | None:
-        """GPU page ids, or None when the GPU holds no copy."""
-        return self.loc[0]
-
-    @property
-    def host_pages(self) -> list[int] | None:
-        """Host page ids, or None when host memory holds no copy."""
-        return self.loc[1]
-
-    @property
-    def disk_keys(self) -> list[bytes] | None:
-        """L3 keys, or None when the L3 holds no copy."""
-        return self.loc[2]
-
-    @property
-    def on_device(self) -> bool:
-        return self.loc[0] is not None
-
-    @property
-    def on_host(self) -> bool:
-        return self.loc[1] is not None
-
-    @property
-    def on_disk(self) -> bool:
-        return self.loc[2] is not None
-
-    @property
-    def removed(self) -> bool:
-        """Whether the node has left the tree (its parent link is cut; the root has none either)."""
-        return self.parent is None
-
-    def drop_locations(self) -> None:
-        """Forget every location of a node the tree has removed (its pages were freed)."""
-        if self.parent is not None:
-            raise ValueError(f"{self} is still in the tree: clear its locations through the tree")
-        self.loc = [None, None, None]
-
-    def in_tier(self, tier: str) -> bool:
-        return self.loc[_TIER_INDEX[tier]] is not None
-
-    def tiers(self) -> list[str]:
-        return [t for t, pages in zip(TIERS, self.loc) if pages is not None]
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, pages={self.num_pages}, tiers={self.tiers()}, lock={self.lock_ref})"
-
-
-class NamespaceRoot(TreeNode):
-    """The top of one cache namespace: no pages and no tier; its `seed` starts the key chains of the pages below
-    it, so equal tokens in two namespaces have different L3 and shared-tier keys. The tree's root is the
-    default namespace's (seeded with the tree's namespace fingerprint); the others hang under it, keyed by
-    their 16-byte id (`RadixTree.namespace_root`)."""
-
-    __slots__ = ("ns", "seed")
-    base = True
-
-    def __init__(self, parent: TreeNode | None, ns: bytes | None, seed: bytes, group: int):
-        super().__init__(parent, (), [])
-        self.ns = ns
-        self.seed = seed
-        self.group = group
-
-
-@dataclass
-class MatchResult:
-    """Longest cached prefix of a token sequence and how it splits across tiers.
-
-    device_pages / host_pages / disk_pages count the matched pages whose fastest copy is on GPU, on
-    host, or only on L3. Usually they come in that order (GPU first, then host, then L3); `segments`
-    gives the exact order as (node, fastest tier). `nodes` is the matched path (root excluded); `base` the root
-    of the namespace it was matched in (`last_node` where nothing matched).
-    """
-
-    nodes: list[TreeNode]
-    last_node: TreeNode
-    device_pages: int
-    host_pages: int
-    disk_pages: int
-    segments: list[tuple[TreeNode, str]] = field(default_factory=list)  # (node, fastest tier) in order
-    base: TreeNode | None = None
-
-    @property
-    def num_pages(self) -> int:
-        return self.device_pages + self.host_pages + self.disk_pages
-
-    def device_page_ids(self) -> list[int]:
-        """GPU page ids of the leading on-GPU part of the prefix."""
-        out: list[int] = []
-        for node, tier in self.segments:
-            if tier != DEVICE:
-                break
-            out.extend(node.loc[0])
-        return out
+__all__ = ["DEVICE", "DISK", "HOST", "TIERS", "MatchResult", "NamespaceRoot", "RadixTree", "TreeNode"]
 
 
 class RadixTree:
@@ -188,7 +57,7 @@ class RadixTree:
 
     `page_size` tokens form a page; a trailing partial page is never cached. `namespace` seeds the
     chained page keys of the default namespace; other namespaces (tenants, salts) have roots of their own
-    (`namespace_root`), and eviction can give each share group a quota per tier (`set_quotas`).
+    (`namespaces`, radix.namespace), and eviction can give each share group a quota per tier (`set_quotas`).
     `eviction_policy` names a policy of `radix.policy` (a priority function per tier, `tier_policies`);
     `half_life` is the decay of its "lrfu" frequency, in ticks of the tree's clock.
     """
@@ -213,8 +82,7 @@ class RadixTree:
         self.pages_in = [0, 0, 0]  # pages resident per tier
         self.order = EvictionOrder(self.priorities)
         self._leaves = self.order.leaves  # evictable-leaf candidates per tier
-        self._namespaces = 0  # namespace roots under the root
-        self._namespaces_kept = 0  # of those, how many the last prune kept
+        self.namespaces = NamespaceRoots(self.root, namespace)  # the other namespaces' roots, under the root
         # called as listener(upper, lower) whenever a node is split: state kept beside the tree per node (the
         # controller's transfers table) follows the pages into both parts
         self.split_listeners: list[Callable[[TreeNode, TreeNode], None]] = []
@@ -234,42 +102,6 @@ class RadixTree:
         decay = 2.0 ** ((node.last_access - now) / self.half_life)
         node.frequency = node.frequency * decay + (1.0 if reference else 0.0)
         node.last_access = now
-
-    def namespace_root(self, ns: bytes | None, group: int = 0) -> NamespaceRoot:
-        """The root of namespace `ns` (a 16-byte id; None: the default namespace, the tree's root), made on first
-        use with share group `group`. Its key chains start from a seed mixing the tree's namespace fingerprint
-        with `ns`. Roots left without pages and locks are removed by `prune_namespaces`."""
-        if ns is None:
-            return self.root
-        node = self.root.children.get(ns)  # type: ignore[call-overload]  # bytes keys never equal token tuples
-        if node is None:
-            if len(ns) != KEY_BYTES:
-                raise ValueError(f"a namespace id is {KEY_BYTES} bytes, got {len(ns)}")
-            node = NamespaceRoot(self.root, ns, namespace_seed(self.namespace, ns), group)
-            self.root.children[ns] = node  # type: ignore[index]
-            self._namespaces += 1
-        elif node.group != group:
-            raise ValueError(f"namespace {ns.hex()[:8]} is in share group {node.group}, not {group}")
-        return node  # type: ignore[return-value]
-
-    def prune_namespaces(self, force: bool = False) -> int:
-        """Remove the namespace roots that hold nothing (no child, lock or pin); returns how many. Unless `force`,
-        only once their number has doubled since the last prune (a client sending a new salt with each request
-        makes a root each time). Call it where no caller holds an unlocked root (the controller's step start)."""
-        if not force and self._namespaces <= 2 * self._namespaces_kept + 64:
-            return 0
-        empty = [key for key, node in self.root.children.items()
-                 if node.base and not node.children and node.lock_ref == 0 and node.pin_ref == 0]
-        for key in empty:
-            self.root.children.pop(key).parent = None
-        self._namespaces -= len(empty)
-        self._namespaces_kept = self._namespaces
-        return len(empty)
-
-    @property
-    def namespace_count(self) -> int:
-        """Namespace roots under the root (the default namespace not counted)."""
-        return self._namespaces
 
     def match_prefix(self, tokens: Sequence[int], touch: bool = True, base: TreeNode | None = None) -> MatchResult:
         """Longest cached page-aligned prefix of `tokens` in the namespace whose root is `base` (default: the
@@ -586,11 +418,6 @@ class RadixTree:
         return (node.loc[_DISK] is not None and node.tier_children[_HOST] > 0
                 and not (node.lock_ref > 0 and node.loc[_DEVICE] is None) and self.own_pins(node) == 0)
 
-    def evictable_leaves(self, tier: str) -> list[TreeNode]:
-        """All unlocked leaves of `tier`, lowest priority first."""
-        ti = _TIER_INDEX[tier]
-        return sorted((n for n in self._leaves[ti] if not self._held(n, ti)), key=self.priorities[ti])
-
     @staticmethod
     def _held(node: TreeNode, ti: int) -> bool:
         """Whether node may not leave tier ti now: it is locked (in host memory: and not on the GPU), or pinned
@@ -652,65 +479,5 @@ class RadixTree:
         return [p for n in self.nodes() if n.loc[ti] is not None for p in n.loc[ti]]
 
     def check_integrity(self) -> None:
-        """Verify structure and bookkeeping; raises AssertionError naming the first violation."""
-        ps = self.page_size
-        pages_in = [0, 0, 0]
-        seen: list[set[Any]] = [set(), set(), set()]
-
-        def fail(msg: str) -> None:
-            raise AssertionError(f"radix integrity: {msg}")
-
-        for node in self.nodes():
-            parent = node.parent
-            if parent is None or parent.children.get(node.tokens[:ps]) is not node:
-                fail(f"{node} is not its parent's child under its first page")
-            if not node.tokens or len(node.tokens) % ps or len(node.tokens) // ps != len(node.keys):
-                fail(f"{node} has {len(node.tokens)} tokens and {len(node.keys)} keys (page size {ps})")
-            if node.loc == [None, None, None]:
-                fail(f"{node} is resident in no tier")
-            if node.lock_ref < 0 or node.pin_ref < 0:
-                fail(f"{node} has a negative lock or pin count")
-            if parent is not self.root and node.lock_ref > parent.lock_ref:
-                fail(f"{node} lock {node.lock_ref} exceeds its parent's {parent.lock_ref}")
-            if parent is not self.root and node.pin_ref > parent.pin_ref:
-                fail(f"{node} pin {node.pin_ref} exceeds its parent's {parent.pin_ref}")
-            expect_first = page_keys(self.last_key(parent), node.tokens[:ps], ps)[0]
-            if node.keys[0] != expect_first:
-                fail(f"{node} first key does not chain from its parent")
-            for ti, pages in enumerate(node.loc):
-                in_children = sum(1 for c in node.children.values() if c.loc[ti] is not None)
-                if in_children != node.tier_children[ti]:
-                    fail(f"{node} counts {node.tier_children[ti]} children in {TIERS[ti]}, has {in_children}")
-                is_leaf = pages is not None and in_children == 0
-                if is_leaf != (node in self._leaves[ti]):
-                    fail(f"{node} leaf-set membership wrong for {TIERS[ti]}")
-                if pages is None:
-                    continue
-                if len(pages) != node.num_pages:
-                    fail(f"{node} has {len(pages)} {TIERS[ti]} ids for {node.num_pages} pages")
-                for p in pages:
-                    if p in seen[ti]:
-                        fail(f"{TIERS[ti]} page {p!r} owned twice")
-                    seen[ti].add(p)
-                pages_in[ti] += len(pages)
-        if pages_in != self.pages_in:
-            fail(f"page counts per tier {self.pages_in} but nodes hold {pages_in}")
-        for ti in range(3):
-            by_group: dict[int, int] = {}
-            for node in self.nodes():
-                if node.loc[ti] is not None:
-                    by_group[node.group] = by_group.get(node.group, 0) + node.num_pages
-            if by_group != self.group_pages(TIERS[ti]):
-                fail(f"{TIERS[ti]} pages per share group {self.group_pages(TIERS[ti])} but nodes hold {by_group}")
-        roots = [n for n in self.root.children.values() if n.base]
-        if len(roots) != self._namespaces:
-            fail(f"{len(roots)} namespace roots, {self._namespaces} counted")
-        for ns_root in roots:
-            if self.root.children.get(ns_root.ns) is not ns_root or ns_root.keys or ns_root.loc != [None] * 3:
-                fail(f"namespace root {ns_root} is not keyed by its id, or holds pages")
-            if any(child.group != ns_root.group for child in ns_root.children.values()):
-                fail(f"a child of namespace root {ns_root} is in another share group")
-        for ti in range(3):
-            for n in self._leaves[ti]:
-                if n.parent is None:
-                    fail(f"removed {n} still in {TIERS[ti]} leaf set")
+        """Verify structure and bookkeeping; raises AssertionError naming the first violation (radix/integrity.py)."""
+        check_integrity(self)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from radix import DEVICE, DISK, HOST, RadixTree, namespace_fingerprint, page_keys
+from radix import DEVICE, DISK, HOST, TIERS, RadixTree, namespace_fingerprint, page_keys
 
 
 def test_match_empty_and_partial_page_not_cached():
@@ -236,6 +236,11 @@ def test_lfu_prefers_rarely_hit():
     assert tree.pop_evictable(DEVICE) is tree.root.children[(2,)]
 
 
+def eviction_order(tree, tier):
+    """Every leaf of `tier` in the order eviction would take them (without evicting any)."""
+    return sorted(tree.order.leaves[TIERS.index(tier)], key=tree.priorities[TIERS.index(tier)])
+
+
 def test_lrfu_keeps_recently_frequent_pages_until_their_count_decays():
     tree = RadixTree(1, eviction_policy="lrfu", half_life=2)
     tree.insert([1], [0])
@@ -243,12 +248,12 @@ def test_lrfu_keeps_recently_frequent_pages_until_their_count_decays():
     for _ in range(3):
         tree.match_prefix([1])  # four references (creation + 3 hits) within a few ticks
     tree.insert([3], [2])  # newest, referenced once
-    order = [n.tokens for n in tree.evictable_leaves(DEVICE)]
+    order = [n.tokens for n in eviction_order(tree, DEVICE)]
     assert order == [(2,), (3,), (1,)]  # LRU would give [2, 1, 3]
     for t in range(10, 20):  # 10 more ticks: node 1's four references now weigh less than one fresh one
         tree.insert([t], [t])
     tree.insert([4], [4])
-    order = [n.tokens for n in tree.evictable_leaves(DEVICE)]
+    order = [n.tokens for n in eviction_order(tree, DEVICE)]
     assert order.index((1,)) < order.index((4,))
     assert tree.pop_evictable(DEVICE).tokens == (2,)
 

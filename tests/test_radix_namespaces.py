@@ -13,11 +13,11 @@ PROMPT = list(range(1, 17))  # 4 pages of 4
 
 def test_equal_tokens_in_two_namespaces_share_no_match_and_no_key():
     tree = RadixTree(4, namespace=NS)
-    alice = tree.namespace_root(A, group=1)
+    alice = tree.namespaces.get(A, group=1)
     node, _ = tree.insert(PROMPT, [0, 1, 2, 3], start=alice)
     assert tree.match_prefix(PROMPT, base=alice).num_pages == 4
     assert tree.match_prefix(PROMPT).num_pages == 0  # the default namespace
-    bob = tree.namespace_root(B, group=2)
+    bob = tree.namespaces.get(B, group=2)
     m = tree.match_prefix(PROMPT, base=bob)
     assert m.num_pages == 0 and m.last_node is bob and m.base is bob
     bob_node, _ = tree.insert(PROMPT, [4, 5, 6, 7], start=bob)
@@ -33,38 +33,38 @@ def test_equal_tokens_in_two_namespaces_share_no_match_and_no_key():
 
 def test_a_namespace_id_is_bound_to_its_group_and_its_length():
     tree = RadixTree(4)
-    assert tree.namespace_root(None) is tree.root
-    assert tree.namespace_root(A, group=1) is tree.namespace_root(A, group=1)
+    assert tree.namespaces.get(None) is tree.root
+    assert tree.namespaces.get(A, group=1) is tree.namespaces.get(A, group=1)
     with pytest.raises(ValueError, match="share group 1, not 2"):
-        tree.namespace_root(A, group=2)
+        tree.namespaces.get(A, group=2)
     with pytest.raises(ValueError, match="16 bytes"):
-        tree.namespace_root(b"short")
+        tree.namespaces.get(b"short")
     assert namespace_id("ab", "c") != namespace_id("a", "bc")
 
 
 def test_empty_namespace_roots_are_pruned_once_they_doubled():
     tree = RadixTree(4)
-    held = tree.namespace_root(namespace_id("held"))
+    held = tree.namespaces.get(namespace_id("held"))
     node, _ = tree.insert(PROMPT, [0, 1, 2, 3], start=held)
     tree.lock(node)
     for i in range(63):  # a client sending a new salt with every request
-        tree.namespace_root(namespace_id(f"salt-{i}"))
-    assert tree.namespace_count == 64 and tree.prune_namespaces() == 0  # not past the floor of 64 yet
-    tree.namespace_root(namespace_id("one more"))
-    assert tree.prune_namespaces() == 64  # all but the one holding pages
-    assert tree.namespace_count == 1 and tree.match_prefix(PROMPT, base=held).num_pages == 4
-    locked = tree.namespace_root(namespace_id("locked"))
+        tree.namespaces.get(namespace_id(f"salt-{i}"))
+    assert len(tree.namespaces) == 64 and tree.namespaces.prune() == 0  # not past the floor of 64 yet
+    tree.namespaces.get(namespace_id("one more"))
+    assert tree.namespaces.prune() == 64  # all but the one holding pages
+    assert len(tree.namespaces) == 1 and tree.match_prefix(PROMPT, base=held).num_pages == 4
+    locked = tree.namespaces.get(namespace_id("locked"))
     tree.lock(locked)  # a ticket with nothing cached holds its namespace root
-    assert tree.prune_namespaces(force=True) == 0
+    assert tree.namespaces.prune(force=True) == 0
     tree.unlock(locked)
     tree.unlock(node)
-    assert tree.prune_namespaces(force=True) == 1
+    assert tree.namespaces.prune(force=True) == 1
     tree.check_integrity()
 
 
 def fill(tree, ns, group, pages, first_id, salt):
     """`pages` one-page prompts of namespace ns, their host page ids from first_id."""
-    root = tree.namespace_root(ns, group)
+    root = tree.namespaces.get(ns, group)
     for i in range(pages):
         tree.insert([salt, i, 0, 0], [first_id + i], tier=HOST, start=root)
 

@@ -119,9 +119,6 @@ class PageAllocator:
         # copiers move in one copy (as handed out before, descending, every page was its own copy)
         self._free.extend(sorted(pages, reverse=True))
 
-    def is_allocated(self, page: int) -> bool:
-        return bool(self._owned[page])
-
     def check_integrity(self, owned: Iterable[int]) -> None:
         """Free + owned == capacity with no page owned twice; `owned` is every page a user holds."""
         owned = list(owned)
