@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from controller.l3_io import L3Worker  # noqa: E402
-from controller.l3_process import L3Process  # noqa: E402
 from tiers.l3 import L3Store  # noqa: E402
 from tiers.l3.format import slot_bytes_for  # noqa: E402
+from tiers.l3.process import L3Process  # noqa: E402
+from tiers.l3.worker import L3Worker  # noqa: E402
 from tiers.pinned import shared_buffer  # noqa: E402
 
 NAMESPACE = b"l3-contention-01"
@@ -139,7 +139,7 @@ def _summary(args: argparse.Namespace, units: int, steps_alone: list[float], ste
 
 
 class _SharedPages:
-    """Page-aligned pages in a memfd: what `controller.l3_process.L3Process` needs of a host pool."""
+    """Page-aligned pages in a memfd: what `tiers.l3.process.L3Process` needs of a host pool."""
 
     def __init__(self, pages: int, page_bytes: int) -> None:
         flat, self.share_fd = shared_buffer(pages * page_bytes, "l3-contention")
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="pages move through the Python piece loop (one lock round trip per 1 MiB piece) instead of "
                         "the native one (tiers/l3/native.py: one call per page, the lock released)")
     p.add_argument("--l3-process", action="store_true",
-                   help="the store in a process of its own (controller/l3_process.py, as cache.l3.worker: process) "
+                   help="the store in a process of its own (tiers/l3/process.py, as cache.l3.worker: process) "
                         "instead of threads beside the engine thread")
     p.add_argument("--switch-interval-ms", type=float,
                    help="sys.setswitchinterval for the run (Python's default: 5 ms): how long a thread that wants "

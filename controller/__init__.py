@@ -2,11 +2,11 @@
 
 from controller.controller import TierController
 from controller.cost import CostModel
-from controller.l3_io import L3Worker
 from controller.policy import WritePolicy
 from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import FAILED, PREFETCHED, DiskLoad, Transfers
+from tiers.l3.worker import L3Worker
 
 __all__ = [
     "FAILED",

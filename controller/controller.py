@@ -27,11 +27,10 @@ from typing import Any
 
 from controller.cost import CostModel
 from controller.eviction import Eviction
-from controller.l3_io import L3Worker
 from controller.loads import Loads
 from controller.lookup import Lookup
 from controller.policy import WritePolicy
-from controller.ports import L3, NO_HOST, NO_L3, NO_WORKER, Copier, HostPool, InstantCopier, Pool
+from controller.ports import L3, NO_HOST, NO_L3, NO_WORKER, Copier, HostPool, InstantCopier, Pool, Worker
 from controller.reuse import ReuseFilter, reuse_memory
 from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
@@ -39,6 +38,7 @@ from controller.transfers import Transfers
 from controller.writes import NoWrites, Writes, tier_writes
 from radix import DEFAULT_NAMESPACE, DEVICE, DISK, HOST, CacheNamespace, MatchResult, RadixTree, TreeNode
 from tiers.copy import LaunchLater
+from tiers.l3.worker import L3Worker
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class TierController:
         copier: Copier | None = None,
         write_policy: WritePolicy | None = None,
         cost: CostModel | None = None,
-        l3_worker: L3Worker | None = None,
+        l3_worker: Worker | None = None,
         disk_capacity_pages: int | None = None,
         prefetch: bool = True,
         launch_later: bool = False,
@@ -75,7 +75,7 @@ class TierController:
         copier = copier if copier is not None else InstantCopier()
         self.launch_later = launch_later and not isinstance(copier, InstantCopier)
         self.copier: Any = LaunchLater(copier) if self.launch_later else copier
-        self.worker: Any = l3_worker if l3_worker is not None else L3Worker(l3) if l3 is not None else NO_WORKER
+        self.worker: Worker = l3_worker if l3_worker is not None else L3Worker(l3) if l3 is not None else NO_WORKER
         self.page_size = tree.page_size
         self.page_bytes = device.page_bytes
         self.stats = CacheStats()

@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from controller.cost import CostModel, LoadPlan
 from controller.eviction import Eviction
 from controller.give_up import ReadDeadlines
-from controller.l3_io import Completion, L3Worker
-from controller.ports import Copier, HostPool, Pool, page_buffers
+from controller.ports import Copier, HostPool, Pool, Worker, page_buffers
 from controller.stats import REMOTE, CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import FAILED, PENDING_COPY, PREFETCHED, DiskLoad, Transfers
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
+from tiers.l3.worker import Completion
 
 READ_ESTIMATE_HALF_LIFE_S = 5.0  # how fast the disk bandwidth estimate forgets old reads
 # a disk read is at most this many bytes: a long prefix lands in parts (0.13 s each at 2 GB/s), so a request that
@@ -43,7 +43,7 @@ def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
 class Loads:
     """Load planning, copies to the GPU, tickets and prefetch (see the module doc)."""
 
-    def __init__(self, tree: RadixTree, device: Pool, host: HostPool, copier: Copier, worker: L3Worker,
+    def __init__(self, tree: RadixTree, device: Pool, host: HostPool, copier: Copier, worker: Worker,
                  eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool,
                  shared_pages: Callable[[Sequence[bytes]], int] | None = None, staging_share: float = 0.5):
         self.tree = tree

@@ -8,7 +8,7 @@ need no "is there a host tier" branches; the write policies for an absent tier a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tiers.base import PageAllocator, PagePool
@@ -46,6 +46,34 @@ class L3(Protocol):
     def delete(self, keys: Sequence[bytes], wait: bool = True) -> Any:
         """Forget keys; `wait=False`: the store may make that durable later (the engine thread must not wait for
         the disk), but the keys are not found from now on."""
+
+
+class Worker(Protocol):
+    """What runs the L3's I/O off the engine thread: `tiers.l3.worker.L3Worker` (threads in this process),
+    `tiers.l3.process.L3Process`'s worker (a process of its own), the replay's synchronous one, `NO_WORKER`. Writes
+    are refused (False) when its queue holds `queue_pages`; `completions()` hands finished jobs
+    (`tiers.l3.worker.Completion`) to the engine thread without blocking."""
+
+    queue_pages: int
+
+    @property
+    def queued_write_pages(self) -> int: ...
+
+    @property
+    def refusal(self) -> str: ...
+
+    def submit_write(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any],
+                     before: Callable[[], None] | None = None) -> bool: ...
+
+    def submit_read(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any]) -> None: ...
+
+    def completions(self) -> list[Any]: ...
+
+    def stage(self, pages: Sequence[Any]) -> list[Any] | None: ...
+
+    def wait_idle(self, timeout: float | None = None) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 def page_buffers(host: Any, pages: Sequence[int]) -> list[Any]:

@@ -31,14 +31,14 @@ from collections import deque
 from collections.abc import Sequence
 
 from controller.eviction import Eviction
-from controller.l3_io import Completion, L3Worker
 from controller.policy import WritePolicy
-from controller.ports import L3, Copier, HostPool, Pool, page_buffers
+from controller.ports import L3, Copier, HostPool, Pool, Worker, page_buffers
 from controller.reuse import ReuseFilter
 from controller.stats import CacheStats
 from controller.transfers import Transfers
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 from tiers.copy import COMPLETED, TransferHandle
+from tiers.l3.worker import Completion
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class Writes:
     """The write mechanism under two strategies, `to_host` and `to_disk` (see the module doc)."""
 
     def __init__(self, tree: RadixTree, device: Pool, host: HostPool, l3: L3, copier: Copier,
-                 worker: L3Worker, eviction: Eviction, transfers: Transfers, stats: CacheStats,
+                 worker: Worker, eviction: Eviction, transfers: Transfers, stats: CacheStats,
                  to_host: TierWrites, to_disk: TierWrites, page_bytes: int, staging_share: float = 1.0,
                  reuse: ReuseFilter | None = None):
         self.tree = tree

@@ -112,7 +112,7 @@ def _remote_args(cfg: Config, namespace: bytes, page_bytes: int) -> dict:
 
 
 def l3_in_process(cfg: Config, device: torch.device) -> bool:
-    """Whether the L3 store runs in a process of its own (`cache.l3.worker`, controller/l3_process.py)."""
+    """Whether the L3 store runs in a process of its own (`cache.l3.worker`, tiers/l3/process.py)."""
     mode = cfg.cache.l3.worker
     if mode != "auto":
         return mode == "process"
@@ -185,7 +185,7 @@ def build_tiers(cfg: Config, layout: KVLayout, dtype: str, device: torch.device 
                           write_limit_bytes_per_s=c.write_limit_gbps * 1e9) if sizes.disk_pages else None
         remote_args = _remote_args(cfg, ns, layout.page_bytes) if sizes.remote_pages else None
         if in_process:
-            from controller.l3_process import L3Process
+            from tiers.l3.process import L3Process
 
             proc = L3Process(host_pool, store_args, threads=c.io_threads, queue_pages=c.queue_pages,
                              batch_pages=sync_pages, remote_args=remote_args, remote_pages=sizes.remote_pages)

@@ -34,7 +34,7 @@ class Harness:
         self.host = HostPool(LAYOUT, host, torch.float32, shared=l3_process is not None) if host else None
         self.process = None
         if l3_process is not None:  # store arguments: the L3 in a process of its own, over the shared host pool
-            from controller.l3_process import L3Process
+            from tiers.l3.process import L3Process
 
             self.process = L3Process(self.host, l3_process, threads=2, queue_pages=64, batch_pages=4)
             l3, worker = self.process.store, (lambda _: self.process.worker)

@@ -100,7 +100,7 @@ def test_every_page_read_holds_its_bytes_under_late_copies_and_a_refusing_queue(
 
 @pytest.mark.parametrize("seed", range(2))
 def test_the_same_with_the_l3_in_a_process_of_its_own(tmp_path, seed):
-    from controller.l3_process import L3Process
+    from tiers.l3.process import L3Process
 
     rng = random.Random(seed)
     host = HostPool(LAYOUT, 6, torch.float32, shared=True)

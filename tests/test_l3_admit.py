@@ -12,9 +12,9 @@ from memory_l3 import MemoryL3
 from test_controller import LAYOUT, Harness, seq
 
 from controller import WritePolicy
-from controller.l3_io import L3Worker
 from controller.reuse import ReuseFilter
 from radix import DEVICE, DISK, HOST, RadixTree
+from tiers.l3.worker import L3Worker
 
 REUSE = dataclasses.replace(WritePolicy.eager(), l3_admit="reuse")
 

@@ -8,7 +8,8 @@ import time
 import torch
 from memory_l3 import MemoryL3
 
-from controller import L3Worker, l3_io
+from tiers.l3 import worker as l3_io
+from tiers.l3.worker import L3Worker
 
 PAGE = 64
 

@@ -50,7 +50,7 @@ class HostPool(AllocatorBacked):
     contiguous 1-D uint8 tensor, the unit the L3 store reads and writes.
 
     `shared`: the memory is a memfd (`share_fd`) that another process can map, so that an L3 store running in
-    a process of its own (controller/l3_process.py) reads and writes the pages in place.
+    a process of its own (tiers/l3/process.py) reads and writes the pages in place.
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype, pin_memory: bool | None = None,

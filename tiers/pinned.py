@@ -56,7 +56,7 @@ def anonymous_buffer(nbytes: int, huge_pages: bool = True) -> torch.Tensor:
 
 def shared_buffer(nbytes: int, name: str = "hicache-host-pool") -> tuple[torch.Tensor, int]:
     """A 1-D uint8 tensor over a fresh memfd mapped MAP_SHARED, and the memfd: another process (the L3 process,
-    controller/l3_process.py) maps the same memory through that descriptor, so it reads and writes the pages in
+    tiers/l3/process.py) maps the same memory through that descriptor, so it reads and writes the pages in
     place. The tensor's storage keeps the mapping alive (never `close()` it: see `anonymous_buffer`); the caller
     owns the descriptor. memfd memory is shmem: transparent huge pages only where shmem_enabled allows them."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)

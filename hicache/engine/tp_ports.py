@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from controller.l3_io import Completion
+from tiers.l3.worker import Completion
 
 logger = logging.getLogger(__name__)
 

@@ -183,7 +183,7 @@ class CacheCollector:
                 waited.add_metric([direction], l3.get(f"{direction}_limit_wait_s", 0.0))
             yield limit
             yield waited
-            if "restarts" in l3:  # the store runs in a process of its own (controller/l3_process.py)
+            if "restarts" in l3:  # the store runs in a process of its own (tiers/l3/process.py)
                 yield CounterMetricFamily("hicache_l3_process_restarts", "L3 processes started again after one died",
                                           value=l3["restarts"])
                 yield CounterMetricFamily("hicache_l3_process_call_seconds", "Seconds callers (the engine thread) "

@@ -1,4 +1,4 @@
-"""The L3 store in a process of its own (controller/l3_process.py): the bytes, the write queue, staging, errors
+"""The L3 store in a process of its own (tiers/l3/process.py): the bytes, the write queue, staging, errors
 raised in the child, and a child that goes away. The controller over it: tests/test_controller.py."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from controller.l3_process import L3Process
 from tiers import HostPool, KVLayout
 from tiers.l3 import L3Error
+from tiers.l3.process import L3Process
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, itemsize=4)  # 1 KiB pages
 NAMESPACE = b"l3-process-test1"
@@ -201,10 +201,10 @@ def test_a_killed_process_is_replaced_and_serves_what_it_had_stored(tmp_path):
 
 
 def test_slow_answers_are_counted_and_logged_without_flooding(caplog):
-    from controller.l3_process import SLOW_CALL_S, CallTimes
+    from tiers.l3.process_proxies import SLOW_CALL_S, CallTimes
 
     times = CallTimes()
-    caplog.set_level(logging.WARNING, logger="controller.l3_process")
+    caplog.set_level(logging.WARNING, logger="tiers.l3.process")
     times.add("/l3", "contains", 0.001)
     times.add("/l3", "contains", SLOW_CALL_S + 0.1)
     times.add("/l3", "stats", SLOW_CALL_S + 0.2)  # right after: counted, not logged again

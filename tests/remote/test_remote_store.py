@@ -170,9 +170,9 @@ def test_local_l3_in_front_of_the_shared_tier(valkey, tmp_path):
 
 
 def test_remote_only_behind_a_process_of_its_own(valkey):
-    """The L3 process (controller/l3_process.py) runs the shared tier alone, no local store."""
-    from controller.l3_process import L3Process
+    """The L3 process (tiers/l3/process.py) runs the shared tier alone, no local store."""
     from tiers import HostPool, KVLayout
+    from tiers.l3.process import L3Process
 
     host = HostPool(KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, itemsize=4), 8, torch.float32,
                     pin_memory=False, shared=True)
