@@ -42,8 +42,8 @@ test: install lint
 serve: install
 	$(BIN)/hicache serve --config configs/default.yaml --host $(HOST) --port $(PORT)
 
-# the shared tier on one machine: a Valkey on 127.0.0.1:$(VALKEY_PORT) and two servers sharing it, on $(PORT) and
-# $(PORT)+1 (docs/shared-tier.md); Ctrl-C stops all three
+# the remote tier on one machine: a Valkey on 127.0.0.1:$(VALKEY_PORT) and two servers sharing it, on $(PORT) and
+# $(PORT)+1 (docs/remote-tier.md); Ctrl-C stops all three
 VALKEY_PORT ?= 6390
 serve-shared: install
 	@pids=; trap 'kill -INT $$pids 2>/dev/null; wait' INT TERM; \

@@ -1,4 +1,4 @@
-"""Shared tier throughput: the store's writes and reads against a raw client loop on the same server, same run.
+"""Remote tier throughput: the store's writes and reads against a raw client loop on the same server, same run.
 
     .venv/bin/python bench/remote_bench.py [--url redis://127.0.0.1:6379/0] [--mib 512] [--repeat 3]
     .venv/bin/python bench/remote_bench.py --mooncake [--mib 512] [--repeat 3]   # the mooncake extra
@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hicache.valkey_local import LocalServer  # noqa: E402
 from tiers.persistent import remote_name, remote_store_class  # noqa: E402
-from tiers.remote import RemoteAddress, _Connection  # noqa: E402
+from tiers.remote.valkey import ValkeyAddress as ValkeyAddress  # noqa: E402
+from tiers.remote.valkey import _Connection
 
 SIZES = {"8 MiB": 8 << 20, "180 KiB": 180 << 10}
 
@@ -37,7 +38,7 @@ def pages_of(count: int, size: int) -> list[torch.Tensor]:
     return list(flat.view(count, size))
 
 
-def raw_loop(address: RemoteAddress, pages: list[torch.Tensor], batch: int) -> tuple[float, float]:
+def raw_loop(address: ValkeyAddress, pages: list[torch.Tensor], batch: int) -> tuple[float, float]:
     """Seconds to SET then GET every page with plain pipelined commands."""
     conn = _Connection(address, 2.0, 30.0)
     keys = [b"raw:%d" % i for i in range(len(pages))]
@@ -70,7 +71,7 @@ def mooncake_raw_loop(url: str, pages: list[torch.Tensor], batch: int) -> tuple[
     """Seconds to put then get every page with Mooncake's own batch calls on registered memory."""
     from mooncake.store import MooncakeDistributedStore
 
-    from tiers.mooncake import MooncakeAddress
+    from tiers.remote.mooncake import MooncakeAddress
 
     a = MooncakeAddress.parse(url)
     client = MooncakeDistributedStore()
@@ -140,7 +141,7 @@ def main() -> None:
     else:
         url = args.url
     raw = (mooncake_raw_loop if url.startswith("mooncake://")
-           else lambda u, pages, batch: raw_loop(RemoteAddress.parse(u), pages, batch))
+           else lambda u, pages, batch: raw_loop(ValkeyAddress.parse(u), pages, batch))
     try:
         print(f"server {remote_name(url)}, {args.mib} MiB a pass, best of {args.repeat}")
         print("| page | store write | raw write | ratio | store read | raw read | ratio |")

@@ -87,6 +87,6 @@ def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages
             best = min(best, time.perf_counter() - start)
         return pages * host.page_bytes / best
     finally:
-        l3.discard(keys)  # everywhere: a shared tier keeps what is only deleted here
+        l3.discard(keys)  # everywhere: a remote tier keeps what is only deleted here
         host.free(host_pages)
         device.free(dev_pages)

@@ -90,7 +90,7 @@ class ReadDeadlines:
                 gone = b - max(a, start)
                 local = min(gone, ticket.hit_pages.get(tier, 0))
                 self._uncount(ticket, tier, local)
-                self._uncount(ticket, REMOTE, gone - local)  # disk pages that were the shared tier's (acquire)
+                self._uncount(ticket, REMOTE, gone - local)  # disk pages that were the remote tier's (acquire)
             if a < start:
                 kept.append((a, min(b, start), tier))
         ticket.hit_runs = kept

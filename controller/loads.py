@@ -47,7 +47,7 @@ class Loads:
                  eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool,
                  shared_pages: Callable[[Sequence[bytes]], int] | None = None, staging_share: float = 0.5):
         self.tree = tree
-        self.shared_pages = shared_pages  # how many of these disk keys only the shared tier holds (REMOTE hits)
+        self.shared_pages = shared_pages  # how many of these disk keys only the remote tier holds (REMOTE hits)
         self.device = device
         self.host = host
         self.copier = copier
@@ -147,7 +147,7 @@ class Loads:
                     disk_keys += node.keys  # a page's disk key (a prefetched copy's disk entry may be gone since)
             pos += node.num_pages
         if disk_keys and self.shared_pages is not None and (shared := self.shared_pages(disk_keys)):
-            ticket.hit_pages[REMOTE] = shared  # disk pages this server's local store lacks: the shared tier's
+            ticket.hit_pages[REMOTE] = shared  # disk pages this server's local store lacks: the remote tier's
             ticket.hit_pages[DISK] -= shared
             if not ticket.hit_pages[DISK]:
                 del ticket.hit_pages[DISK]

@@ -22,7 +22,7 @@ class WritePolicy:
     # copy waits (it is started when free pages fall to this share, when the page is evicted, or when the engine
     # idles). 1.0: copy every page as soon as it is computed.
     defer_above_free: float = 0.25
-    # host_to_disk: which pages the L3 (and the shared tier behind it) takes. "reuse": pages likely to be read
+    # host_to_disk: which pages the L3 (and the remote tier behind it) takes. "reuse": pages likely to be read
     # again (hit, continuing a hit, or computed twice: controller/reuse.py), so a workload without reuse costs the
     # disk nothing; "all": every page the write policy sends
     l3_admit: str = "reuse"

@@ -8,7 +8,7 @@ from typing import Any
 
 from radix import TIERS
 
-# Hits are counted per tier a page was served from: the tree's tiers, and the shared tier, whose pages the tree
+# Hits are counted per tier a page was served from: the tree's tiers, and the remote tier, whose pages the tree
 # records as disk pages (tiers/persistent.py) but which this server's local store does not hold.
 REMOTE = "remote"
 HIT_TIERS = (*TIERS, REMOTE)

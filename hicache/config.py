@@ -88,18 +88,18 @@ class L3Config:
 
 @dataclass(frozen=True)
 class RemoteConfig:
-    """The shared tier: pages in a Valkey/Redis server that several hicache servers use (tiers/remote.py)."""
+    """The remote tier: pages in a Valkey/Redis server that several hicache servers use (tiers/remote/valkey.py)."""
 
-    url: str | None = None  # redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; None disables the shared tier
+    url: str | None = None  # redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]; None disables the remote tier
     username: str | None = None
     password: str | None = None  # also $HICACHE_REMOTE_PASSWORD; wins over the URL's
     key_prefix: str = "hicache"
-    # pages of the shared tier this server's tree keeps track of (the server evicts on its own: keep it near the
+    # pages of the remote tier this server's tree keeps track of (the server evicts on its own: keep it near the
     # server's maxmemory); give one of size_gib / size_tokens; neither: DEFAULT_REMOTE_GIB
     size_gib: float | None = None
     size_tokens: int | None = None
     timeout_s: float = 2.0  # every call: connect, probe, read, write
-    admission_hits: int = 0  # write a page to the shared tier only after it was offered this many times
+    admission_hits: int = 0  # write a page to the remote tier only after it was offered this many times
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class WritePolicyConfig:
     # write_through: while more than this share of the GPU pool is free, new pages' host copies wait (for the pool
     # to fill, for their eviction, or for the engine to idle); 1.0 copies every page as soon as it is computed
     defer_above_free: float = _WRITE_DEFAULTS.defer_above_free
-    # which pages the L3 / shared tier takes: "reuse", those likely to be read again (hit, continuing a hit, or
+    # which pages the L3 / remote tier takes: "reuse", those likely to be read again (hit, continuing a hit, or
     # computed twice: controller/reuse.py); "all", every page the write policy sends
     l3_admit: Literal["reuse", "all"] = _WRITE_DEFAULTS.l3_admit
     # queued L3 writes pin at most this share of the host pool; the rest wait, unpinned, for their turn
@@ -422,7 +422,7 @@ class ResolvedSizes:
     device_pages: int
     host_pages: int
     disk_pages: int
-    remote_pages: int = 0  # the shared tier's pages this server tracks (they share the disk tier's place)
+    remote_pages: int = 0  # the remote tier's pages this server tracks (they share the disk tier's place)
 
     def bytes(self, tier: str) -> int:
         return getattr(self, f"{tier}_pages") * self.page_bytes

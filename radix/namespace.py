@@ -1,7 +1,7 @@
 """Cache namespaces: which part of the cache a request may match and fill.
 
 Requests match prefixes only within their namespace, on every tier: each namespace has its own root in the
-tree (`RadixTree.namespaces`) and its own key chains, so its pages have their own L3 and shared-tier keys,
+tree (`RadixTree.namespaces`) and its own key chains, so its pages have their own L3 and remote-tier keys,
 and a restart keeps them apart. The server derives a namespace from the request's tenant and `cache_salt`
 (hicache/server/tenants.py); the id is a hash, so neither the salt nor the tenant's key is ever stored.
 """

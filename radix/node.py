@@ -106,7 +106,7 @@ class TreeNode:
 
 class NamespaceRoot(TreeNode):
     """The top of one cache namespace: no pages and no tier; its `seed` starts the key chains of the pages below
-    it, so equal tokens in two namespaces have different L3 and shared-tier keys. The tree's root is the
+    it, so equal tokens in two namespaces have different L3 and remote-tier keys. The tree's root is the
     default namespace's (seeded with the tree's namespace fingerprint); the others hang under it, keyed by
     their 16-byte id (`RadixTree.namespaces`)."""
 

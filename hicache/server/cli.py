@@ -39,9 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--l3-path", help="NVMe store directory (cache.l3.path); the disk tier is on when set")
     p.add_argument("--no-l3", action="store_true", help="disable the disk tier")
     p.add_argument("--remote-url", metavar="URL",
-                   help="shared tier on a Valkey/Redis server: redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] "
+                   help="remote tier on a Valkey/Redis server: redis://[[USER]:PASSWORD@]HOST[:PORT][/DB] "
                         "(cache.remote.url; password also from $HICACHE_REMOTE_PASSWORD), or on a Mooncake Store: "
-                        "mooncake://MASTER:PORT?metadata=URL (the mooncake extra; docs/shared-tier.md)")
+                        "mooncake://MASTER:PORT?metadata=URL (the mooncake extra; docs/remote-tier.md)")
     for tier in TIERS:
         note = "at least one page" if tier == DEVICE else "0 disables it"
         p.add_argument(f"--{tier}-tokens", type=int, metavar="N", help=f"{tier} tier capacity in tokens ({note})")

@@ -194,10 +194,10 @@ class CacheCollector:
                 yield GaugeMetricFamily("hicache_l3_process_slowest_call_seconds", "The slowest answer so far",
                                         value=l3.get("slowest_call_s", 0))
         remote = (l3 or {}).get("remote")
-        yield _state_gauge("hicache_remote_state", "Shared tier state (1 for the current one)", REMOTE_STATES,
+        yield _state_gauge("hicache_remote_state", "Remote tier state (1 for the current one)", REMOTE_STATES,
                            remote["state"] if remote else "disabled")
         if remote:
-            ops = CounterMetricFamily("hicache_remote_operations", "Shared tier counters", labels=["op"])
+            ops = CounterMetricFamily("hicache_remote_operations", "Remote tier counters", labels=["op"])
             for name in REMOTE_COUNTERS:
                 ops.add_metric([name], remote.get(name, 0))
             yield ops

@@ -4,7 +4,7 @@
 Unknown fields are ignored, as OpenAI does; known fields with the wrong type fail validation (400).
 hicache extensions: `ignore_eos`, `top_k`, `stop_token_ids` in requests; in `usage.prompt_tokens_details`
 `cached_tokens_per_tier` ({"device", "host", "disk", "remote"}: prompt tokens served from each tier; "remote": the
-shared tier's pages, which this server's local disk store does not hold).
+remote tier's pages, which this server's local disk store does not hold).
 """
 
 from __future__ import annotations

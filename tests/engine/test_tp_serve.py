@@ -330,7 +330,7 @@ def test_a_prefix_computed_by_one_tp2_server_is_a_shared_tier_hit_on_another(tmp
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             answers.append(r.json())
-            if name == "a":  # sent again, the prefix is reused, so rank 0's pages reach the shared tier
+            if name == "a":  # sent again, the prefix is reused, so rank 0's pages reach the remote tier
                 r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)  # (write_policy.l3_admit: reuse)
                 assert r.status_code == 200, r.text
                 assert wait_for(lambda u=url: metric(metrics(u), "hicache_remote_operations_total", op="writes") > 0)

@@ -1,5 +1,5 @@
 """Tenants on the engine: another tenant's exact prompt is a miss on every tier (GPU, host, the L3, after a restart,
-the shared tier between two servers) and gives the same tokens; a salt is a namespace of its own; a tenant that
+the remote tier between two servers) and gives the same tokens; a salt is a namespace of its own; a tenant that
 floods the cache leaves another tenant's hot prefix cached when each has a share."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_another_tenants_prompt_is_a_miss_on_every_tier_and_after_a_restart(tiny
 
 
 def test_another_tenants_prompt_is_a_miss_through_the_shared_tier(tiny, valkey, tmp_path, tenants):
-    """Two servers, one Valkey: alice's prefix computed on the first is a shared-tier hit for alice on the second,
+    """Two servers, one Valkey: alice's prefix computed on the first is a remote-tier hit for alice on the second,
     and a miss for bob."""
     shared = {"cache__page_size": PAGE, "cache__device__size_tokens": 16 * PAGE,
               "cache__host__size_tokens": 16 * PAGE, "cache__remote__url": valkey.url,

@@ -205,7 +205,7 @@ def _shared_tiers(url: str, prefix: str, **more) -> dict:
 
 @pytest.mark.parametrize("local_l3", [False, True])
 def test_a_prefix_computed_on_one_server_is_a_shared_hit_on_another(sharp, baseline, valkey, tmp_path, local_l3):
-    """Two servers, one Valkey: A's prefix, computed by the first, is read from the shared tier by the second (an
+    """Two servers, one Valkey: A's prefix, computed by the first, is read from the remote tier by the second (an
     empty GPU, host and local disk) and gives the same greedy tokens."""
     prefix = f"share-{tmp_path.name}"
     more = lambda name: ({"cache__l3__path": str(tmp_path / name), "cache__l3__size_gib": None,  # noqa: E731
@@ -241,7 +241,7 @@ def test_a_shared_tier_that_is_down_serves_by_recomputing(sharp, baseline):
 
 
 def test_a_shared_tier_killed_mid_run_leaves_every_request_served(sharp, baseline):
-    """The pages of A are on the shared tier only (pushed out of GPU and host) when the server dies: A's next
+    """The pages of A are on the remote tier only (pushed out of GPU and host) when the server dies: A's next
     request finds them in the tree, its read fails within the timeout, and it is recomputed, with A's tokens."""
     from hicache.valkey_local import LocalServer
 

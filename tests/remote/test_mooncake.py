@@ -1,4 +1,4 @@
-"""The shared tier on a Mooncake Store (tiers/mooncake.py).
+"""The remote tier on a Mooncake Store (tiers/remote/mooncake.py).
 
 Most tests drive the store against a stand-in client with Mooncake's calls and return codes, one dict as the
 cluster: two stores share pages, a bad value is a miss, a vanished key is a miss, a master that is down at startup
@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from tiers.mooncake import NOT_FOUND, RPC_FAILED, MooncakeAddress, MooncakeStore
 from tiers.remote import HEADER_BYTES, RemoteError
+from tiers.remote.mooncake import NOT_FOUND, RPC_FAILED, MooncakeAddress, MooncakeStore
 
 NS_A, NS_B = b"namespace-aaaaaa", b"namespace-bbbbbb"
 PAGE = 4096
@@ -159,7 +159,7 @@ def test_a_corrupt_value_or_one_of_another_namespace_is_a_miss_never_served(capl
     assert other.write_pages(ks[1:2], list(pages(1, 3))) == [True]
     cluster.objects[a.key(ks[1])] = cluster.objects[other.key(ks[1])]  # another namespace's value under our key
     dst = np.zeros((3, PAGE), dtype=np.uint8)
-    with caplog.at_level(logging.ERROR, logger="tiers.mooncake"):
+    with caplog.at_level(logging.ERROR, logger="tiers.remote.mooncake"):
         assert a.read_pages(ks, list(dst)) == [False, False, True]
     assert np.array_equal(dst[2], src[2]) and a.stats()["bad_values"] == 2
     assert any("2 values failed verification" in r.getMessage() for r in caplog.records)
@@ -179,7 +179,7 @@ def test_a_key_gone_between_the_probe_and_the_read_is_a_miss():
 def test_a_master_down_at_startup_is_retried_with_backoff_and_the_tier_comes_back(caplog):
     cluster = FakeCluster()
     cluster.up = False
-    with caplog.at_level(logging.WARNING, logger="tiers.mooncake"):
+    with caplog.at_level(logging.WARNING, logger="tiers.remote.mooncake"):
         a = store(cluster, retry_min_s=0.2, retry_max_s=1.0)
         assert a.state == "down"
         ks = keys(2, 400)

@@ -1,5 +1,5 @@
-"""The shared tier's store (tiers/remote.py) against a real valkey-server: bytes, probes, keys that vanish, values
-that fail verification, a wrong password, a server that is down, killed or full, and the persistent tiers
+"""The remote tier's Valkey store (tiers/remote/valkey.py) against a real valkey-server: bytes, probes, keys that
+vanish, values that fail verification, a wrong password, a server that is down, killed or full, and the persistent tiers
 (tiers/persistent.py) with a local L3 in front of it."""
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ import torch
 
 from hicache.valkey_local import LocalServer
 from tiers.persistent import PersistentTiers
-from tiers.remote import HEADER_BYTES, RemoteStore
+from tiers.remote import HEADER_BYTES
+from tiers.remote.valkey import ValkeyStore
 
 PAGE = 8192
 NS = b"remote-test-ns01"
 
 
-def _store(url: str, **kw) -> RemoteStore:
+def _store(url: str, **kw) -> ValkeyStore:
     kw.setdefault("key_prefix", f"t-{uuid.uuid4().hex[:8]}")  # each test its own keys on the shared server
     kw.setdefault("timeout_s", 1.0)
-    return RemoteStore(url, kw.pop("namespace", NS), kw.pop("page_bytes", PAGE), **kw)
+    return ValkeyStore(url, kw.pop("namespace", NS), kw.pop("page_bytes", PAGE), **kw)
 
 
 def _pages(n: int, seed: int, size: int = PAGE) -> list[torch.Tensor]:
@@ -170,7 +171,7 @@ def test_local_l3_in_front_of_the_shared_tier(valkey, tmp_path):
 
 
 def test_remote_only_behind_a_process_of_its_own(valkey):
-    """The L3 process (tiers/l3/process.py) runs the shared tier alone, no local store."""
+    """The L3 process (tiers/l3/process.py) runs the remote tier alone, no local store."""
     from tiers import HostPool, KVLayout
     from tiers.l3.process import L3Process
 

@@ -72,7 +72,7 @@ def test_replayed_trace_log_matches_server_hits_per_tier(tmp_path: Path) -> None
         server.kill()
 
     records = read_trace(trace, strict=True).records
-    # the trace log holds what the responses said (the shared tier's hits as disk hits: the replay has one disk tier)
+    # the trace log holds what the responses said (the remote tier's hits as disk hits: the replay has one disk tier)
     assert [rec.cached_tokens for rec in records] == [
         {"device": r["device"], "host": r["host"], "disk": r["disk"] + r["remote"]} for r in reported]
     assert [(rec.input_length, rec.output_length) for rec in records] == [(len(p), 4) for p in prompts]

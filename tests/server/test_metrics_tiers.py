@@ -1,4 +1,4 @@
-"""The L3 and shared-tier metric families from the stats they are given (hicache/server/metrics.py)."""
+"""The L3 and remote-tier metric families from the stats they are given (hicache/server/metrics.py)."""
 
 from __future__ import annotations
 

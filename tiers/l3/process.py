@@ -55,7 +55,7 @@ class L3Process:
     def __init__(self, host: Any, store_args: dict | None, threads: int, queue_pages: int, batch_pages: int,
                  staging_pages: int | None = None, remote_args: dict | None = None, remote_pages: int = 0,
                  restart: bool = True, restart_min_s: float = 1.0) -> None:
-        """store_args: the local L3 store's (`L3Store`'s arguments), remote_args the shared tier's
+        """store_args: the local L3 store's (`L3Store`'s arguments), remote_args the remote tier's
         (`tiers.remote.RemoteStore`'s); either may be None (tiers/persistent.py). `restart`: a child that dies is
         replaced, after `restart_min_s` and then a doubling backoff up to RESTART_MAX_S."""
         self._staging_fd: int | None = None

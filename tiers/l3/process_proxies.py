@@ -128,7 +128,7 @@ class StoreProxy:
         self._io_backend: str = info["io_backend"]
         self.page_bytes = pages.page_bytes
         self.path = owner.path
-        if info.get("shared"):  # a shared tier behind it: hits it serves are told apart (tiers/persistent.py)
+        if info.get("shared"):  # a remote tier behind it: hits it serves are told apart (tiers/persistent.py)
             self.shared_pages = self._shared_pages
 
     @property

@@ -150,7 +150,7 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
         return len(gone)
 
     def discard(self, keys: Sequence[bytes]) -> int:
-        """Delete pages wherever they are kept: here, `delete` (a store with a shared tier behind it also deletes
+        """Delete pages wherever they are kept: here, `delete` (a store with a remote tier behind it also deletes
         the shared copies, tiers/persistent.py)."""
         return self.delete(keys)
 

@@ -1,6 +1,6 @@
-"""The shared tier on a Mooncake Store: the pages of many hicache servers in one Mooncake cluster.
+"""The remote tier on a Mooncake Store: the pages of many hicache servers in one Mooncake cluster.
 
-The alternative to Valkey/Redis (tiers/remote.py) for clusters that already run Mooncake (a `mooncake_master` and
+The alternative to Valkey/Redis (tiers/remote/valkey.py) for clusters that already run Mooncake (a `mooncake_master` and
 a metadata service). It needs the `mooncake` extra (`pip install 'hicache[mooncake]'`: the
 `mooncake-transfer-engine-non-cuda` wheel; Debian needs `libibverbs1 libnl-3-200 libnl-route-3-200` for it to load).
 
@@ -37,12 +37,12 @@ from urllib.parse import parse_qs
 import numpy as np
 
 from tiers.l3.format import KEY_BYTES
-from tiers.remote import (
+from tiers.remote.base import (
     HEADER_BYTES,
     RemoteError,
-    SharedStore,
-    _host_view,
+    RemoteStore,
     header_matches,
+    host_view,
     parse_server_url,
     value_header,
 )
@@ -91,7 +91,7 @@ def _address_of(page: Any) -> int:
     """The address of a page buffer's first byte (a CPU tensor, or anything with the buffer protocol)."""
     if hasattr(page, "data_ptr"):
         return page.data_ptr()
-    return np.frombuffer(_host_view(page), dtype=np.uint8).ctypes.data
+    return np.frombuffer(host_view(page), dtype=np.uint8).ctypes.data
 
 
 class _Client:
@@ -104,7 +104,7 @@ class _Client:
         self.local = threading.local()
 
 
-class MooncakeStore(SharedStore):
+class MooncakeStore(RemoteStore):
     """Pages in a Mooncake Store cluster under this cache's namespace; thread-safe. The Valkey store's interface
     and bookkeeping (`tiers.remote.SharedStore`), over Mooncake's client."""
 
@@ -155,7 +155,7 @@ class MooncakeStore(SharedStore):
     # ---- internals ----
 
     def _read_batch(self, keys, out, start: int, end: int, results: list[bool]) -> None:
-        views = [_host_view(out[i]) for i in range(start, end)]
+        views = [host_view(out[i]) for i in range(start, end)]
         if any(len(v) != self.page_bytes for v in views):
             raise ValueError(f"page buffers must be {self.page_bytes} bytes")
         client = self._connect()
@@ -195,7 +195,7 @@ class MooncakeStore(SharedStore):
         for i in batch:
             if len(keys[i]) != KEY_BYTES:
                 raise ValueError(f"page key must be {KEY_BYTES} bytes, got {len(keys[i])}")
-            view = _host_view(pages[i])
+            view = host_view(pages[i])
             if len(view) != self.page_bytes:
                 raise ValueError(f"page must be {self.page_bytes} bytes, got {len(view)}")
             views.append(view)
