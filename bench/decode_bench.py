@@ -5,7 +5,7 @@ the engine runs it. Sequences own scattered pages (a random permutation), as in 
 times one layer's attention alone: gather + SDPA against the kernel, and reports the roofline of a step
 (weights plus the KV read once, at the given HBM bandwidth).
 
-"graph" is with the fused elementwise kernels (hicache.engine.fused_ops), "unfused" the same graphs captured with
+"graph" is with the fused elementwise kernels (hicache.engine.kernels.fused), "unfused" the same graphs captured with
 PyTorch's ops.
 
 Usage: python3 bench/decode_bench.py --model random:llama-3.1-8b --batch-sizes 1,8,32 --contexts 1024,8192

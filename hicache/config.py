@@ -35,7 +35,7 @@ class ModelConfig:
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     revision: str = ""  # recorded in the cache namespace; empty = derived from the weights file
     tp_rank: int = 0  # the rank whose shard this process serves alone (tp_size 1); `hicache serve --tp` sets ranks
-    # tensor parallelism: the model split over this many processes, one rank per GPU (hicache.engine.tp_engine);
+    # tensor parallelism: the model split over this many processes, one rank per GPU (hicache.engine.tp.engine);
     # rank 0 runs the scheduler, the radix tree and the controller, and every rank follows its plan each step
     tp_size: int = 1
     # every collective between the ranks ends with an error after this long (a rank lost, not a hang)
@@ -45,11 +45,11 @@ class ModelConfig:
     # decode tokens attend through the paged Triton kernel where it runs (CUDA with Triton); false: the
     # PyTorch reference (gather + SDPA)
     decode_kernel: bool = True
-    # on CUDA, silu(gate) * up and the rotary embedding as one Triton kernel each (hicache.engine.fused_ops)
+    # on CUDA, silu(gate) * up and the rotary embedding as one Triton kernel each (hicache.engine.kernels.fused)
     # instead of PyTorch's two and three; false: PyTorch's ops
     fused_elementwise: bool = True
     # prefill chunks over a cached prefix: "triton" reads the context in place through the page table
-    # (hicache.engine.prefill_kernel; CUDA with Triton, else sdpa), 0.68-0.69x of sdpa's time at 4k-8k context on
+    # (hicache.engine.kernels.prefill; CUDA with Triton, else sdpa), 0.68-0.69x of sdpa's time at 4k-8k context on
     # the H200 (bench/RESULTS.md, 'Prefix attention kernel'); "sdpa" gathers the context and runs PyTorch's flash
     # attention
     prefill_attention: Literal["sdpa", "triton"] = "triton"

@@ -13,7 +13,7 @@ from controller import CostModel
 from controller.cost import LoadPlan
 from hicache.cache import cost_model
 from hicache.config import ConfigError, from_dict
-from hicache.engine.builder import attention_probe_sizes, calibrate_attention, scratch_prefill
+from hicache.engine.assembly import attention_probe_sizes, calibrate_attention, scratch_prefill
 from hicache.engine.weights import load_model
 from radix import DISK, HOST
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from hicache.engine.prefill_kernel import paged_prefix_attention
+from hicache.engine.kernels.prefill import paged_prefix_attention
 
 
 def main() -> None:

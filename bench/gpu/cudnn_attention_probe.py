@@ -1,6 +1,6 @@
 """Would cuDNN's attention beat the Triton prefix kernel? One layer of prefill over a cached prefix, timed.
 
-The Triton kernel (hicache.engine.prefill_kernel) reads the paged pool in place and reached 377 TFLOPS at 8k context
+The Triton kernel (hicache.engine.kernels.prefill) reads the paged pool in place and reached 377 TFLOPS at 8k context
 on the H200 (bench/RESULTS.md, 'Prefix attention kernel'); FA3-class kernels reach ~600. PyTorch's SDPA has a cuDNN
 backend whose Hopper kernels are of that class, but it wants contiguous K/V and has no bottom-right causal mask. This
 probe times, per context length (1,024 new tokens, Llama-3.1-8B heads, bf16, 64-token pages scattered over
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from prefix_attention_bench import timed  # this directory's bench (run as a script, it is on sys.path)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hicache.engine.prefill_kernel import paged_prefix_attention
+from hicache.engine.kernels.prefill import paged_prefix_attention
 
 
 def cudnn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Prefill attention over a cached prefix on one layer: PyTorch SDPA (gather + flash, bottom-right causal, GQA)
-against the Triton prefix kernel that reads the pool in place (hicache.engine.prefill_kernel).
+against the Triton prefix kernel that reads the pool in place (hicache.engine.kernels.prefill).
 
 Llama-3.1-8B heads (32 query, 8 KV, head_dim 128), bf16, 64-token pages scattered over the pool; per case the
 median of --repeats timed calls of each path, TFLOPS (4 * heads * head_dim * visible query-key pairs), their
@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from hicache.engine.attention import CUDA_SDPA_BACKENDS, PrefillSeq, _attend_prefill
-from hicache.engine.prefill_kernel import PrefixKernelConfig, default_configs, paged_prefix_attention
+from hicache.engine.kernels.prefill import PrefixKernelConfig, default_configs, paged_prefix_attention
 
 
 def timed(fn, repeats: int) -> float:

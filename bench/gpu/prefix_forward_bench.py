@@ -8,7 +8,7 @@ on the host per call) counts, as it does in serving. Paths:
 - `tma`: the default launch shapes (TMA first on Hopper with 64-token pages);
 - `plain`: the same kernel without TMA (TMA_CONFIG marked unavailable for the run);
 - `sdpa`: gather + PyTorch SDPA (`model.prefill_kernel = False`);
-- `unfused`: `tma` with PyTorch's elementwise ops instead of `hicache.engine.fused_ops` (`model.fused_elementwise`
+- `unfused`: `tma` with PyTorch's elementwise ops instead of `hicache.engine.kernels.fused` (`model.fused_elementwise`
   false); the other paths use the fused kernels.
 
     python3 bench/gpu/prefix_forward_bench.py [--seqs 6] [--new 1024] [--contexts 4096 8192] [--json OUT]
@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from hicache.engine import fused_ops, load_model, prefill_kernel
+from hicache.engine.kernels import fused as fused_ops
+from hicache.engine.kernels import load_model, prefill_kernel
 from hicache.engine.model import ForwardBatch
 
 PATHS = ("tma", "plain", "sdpa", "unfused")

@@ -4,8 +4,8 @@ The pool is one tensor ``kv[num_layers, 2, num_pages, page_size, num_kv_heads, h
 position p of a sequence lives in flat slot ``page_table[p // page_size] * page_size + p % page_size``.
 `AttentionPlan` is built once per forward step (it depends only on the batch, not the layer) and `paged_attention`
 runs one layer. Prefill chunks use torch SDPA; over a cached prefix, the Triton prefix kernel
-(`hicache.engine.prefill_kernel`, which reads K/V in place) where it runs and is enabled. Decode tokens use the
-Triton paged decode kernel (`hicache.engine.decode_kernel`) where it runs (CUDA, Triton installed, power-of-two
+(`hicache.engine.kernels.prefill`, which reads K/V in place) where it runs and is enabled. Decode tokens use the
+Triton paged decode kernel (`hicache.engine.kernels.decode`) where it runs (CUDA, Triton installed, power-of-two
 page size and head_dim), reading K/V in place through a page table; elsewhere they use the reference: gather into a
 padded copy, then SDPA with a mask. A step where every sequence decodes can be described by a `DecodePlan` alone,
 made of device tensors only, which is what CUDA graphs capture.
@@ -23,8 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.utils.rnn import pad_sequence
 
-from hicache.engine.decode_kernel import paged_decode_attention
-from hicache.engine.prefill_kernel import PrefixKernelUnavailable, paged_prefix_attention
+from hicache.engine.kernels.decode import paged_decode_attention
+from hicache.engine.kernels.prefill import PrefixKernelUnavailable, paged_prefix_attention
 
 # cuDNN's SDPA builds a new execution plan for every new shape (1 ms of host time per call, and decode
 # shapes change every step), so CUDA runs use flash / memory-efficient attention instead
@@ -43,7 +43,7 @@ class DecodePlan:
 class PrefillSeq:
     """One sequence's prefill chunk: rows start:end of the batch, the last end - start of its seq_len tokens.
 
-    With the prefix kernel (`hicache.engine.prefill_kernel`) a chunk over a cached prefix carries its page table
+    With the prefix kernel (`hicache.engine.kernels.prefill`) a chunk over a cached prefix carries its page table
     and is attended in place; otherwise `slots` (its keys' flat slots, gathered for SDPA) and, over a cached
     prefix, the causal `mask` of the CPU path."""
 

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hicache.engine import fused_ops
 from hicache.engine.attention import DecodePlan, paged_attention, plan_attention
-from hicache.engine.decode_kernel import kernel_supported
-from hicache.engine.prefill_kernel import prefix_kernel_available
+from hicache.engine.kernels import fused as fused_ops
+from hicache.engine.kernels.decode import kernel_supported
+from hicache.engine.kernels.prefill import prefix_kernel_available
 from hicache.modelinfo import LlamaConfig
 
 
@@ -68,7 +68,7 @@ def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     cos: [T, 1, head_dim] as HF's; sin: [T, 1, head_dim] with its first half negated (see `rope_cos_sin`), so
     that HF's ``x * cos + cat(-x2, x1) * sin`` becomes ``x * cos + cat(x2, x1) * sin``: on CUDA one Triton kernel
-    (`hicache.engine.fused_ops.rope_`), elsewhere one copy and two elementwise kernels. x may be a strided view (the
+    (`hicache.engine.kernels.fused.rope_`), elsewhere one copy and two elementwise kernels. x may be a strided view (the
     q and k heads of a fused qkv projection).
     """
     return fused_ops.rope_(x, cos, sin)
@@ -100,7 +100,7 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
 def _add_linear_(residual: Tensor, x: Tensor, linear: nn.Linear, reduce=None) -> Tensor:
     """residual += linear(x) in place, the add fused into the matmul (beta=1 GEMM); linear has no bias.
 
-    `reduce`: under tensor parallelism (hicache/engine/tp.py) linear(x) is this rank's partial sum, summed over
+    `reduce`: under tensor parallelism (hicache/engine/tp/shard.py) linear(x) is this rank's partial sum, summed over
     the ranks before it is added."""
     if reduce is None:
         return residual.addmm_(x, linear.weight.t())
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.qkv_proj: nn.Linear | None = None
-        self.reduce = None  # tensor parallel: the all-reduce of o_proj's partial sums (hicache/engine/tp.py)
+        self.reduce = None  # tensor parallel: the all-reduce of o_proj's partial sums (hicache/engine/tp/shard.py)
 
     def fuse(self) -> None:
         """Replace q_proj, k_proj, v_proj by one qkv_proj (rows q, then k, then v); no-op once fused."""

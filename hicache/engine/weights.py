@@ -22,7 +22,7 @@ from torch import nn
 from hicache.engine.gguf_convert import FORMAT_VERSION, convert_gguf
 from hicache.engine.model import LlamaModel
 from hicache.engine.tokenizer import Tokenizer
-from hicache.engine.tp import cut_tensor
+from hicache.engine.tp.shard import cut_tensor
 from hicache.modelinfo import RANDOM_PRESETS, LlamaConfig
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def load_model(name_or_path: str, dtype: torch.dtype, device: torch.device,
     """Load a model and its tokenizer onto `device` in `dtype`.
 
     `shard`: applied to the loaded model before its projections are fused (a tensor-parallel rank's cut,
-    hicache/engine/tp.py). One with a `cut(config, name)` (`tp.TPShard`) has each tensor loaded already cut to
+    hicache/engine/tp/shard.py). One with a `cut(config, name)` (`tp.TPShard`) has each tensor loaded already cut to
     the rank's part, so that the rank never holds the whole model.
 
     `name_or_path` is `smollm2-135m-instruct` (the default; first use converts the GGUF into `cache_dir()`),

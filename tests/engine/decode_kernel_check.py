@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from hicache.engine import load_model  # noqa: E402
 from hicache.engine.attention import DecodePlan  # noqa: E402
-from hicache.engine.decode_kernel import kernel_supported, paged_decode_attention  # noqa: E402
+from hicache.engine.kernels.decode import kernel_supported, paged_decode_attention  # noqa: E402
 from hicache.engine.model import ForwardBatch  # noqa: E402
 
 

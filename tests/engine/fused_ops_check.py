@@ -14,7 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from hicache.engine import fused_ops  # noqa: E402
+from hicache.engine.kernels import fused as fused_ops  # noqa: E402
 
 
 def cases() -> dict:

@@ -16,12 +16,12 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from hicache.engine import load_model  # noqa: E402
-from hicache.engine.model import ForwardBatch  # noqa: E402
-from hicache.engine.prefill_kernel import (  # noqa: E402
+from hicache.engine.kernels.prefill import (  # noqa: E402
     PrefixKernelConfig,
     paged_prefix_attention,
     prefix_kernel_available,
 )
+from hicache.engine.model import ForwardBatch  # noqa: E402
 
 # (seq_len, new tokens): a whole prompt, prefixes on and off page boundaries (46 - 16: the first query at position
 # 30, one short of its page's last), several 16-row blocks, one token

@@ -91,7 +91,7 @@ def test_bf16_prefix_kernel_matches_float32_attention(cached: int, new: int, sha
     plain launch shape, with a GQA group packed into 128 rows and two pages of keys a step, with pages loaded as TMA
     boxes (64 and 128 rows), and through the default shapes (TMA first on Hopper)."""
     pytest.importorskip("triton")
-    from hicache.engine.prefill_kernel import CUDA_CONFIG, TMA_CONFIG, PrefixKernelConfig, paged_prefix_attention
+    from hicache.engine.kernels.prefill import CUDA_CONFIG, TMA_CONFIG, PrefixKernelConfig, paged_prefix_attention
 
     config = {"plain": CUDA_CONFIG, "packed": PrefixKernelConfig(128, 128, True, 8, 3),
               "tma": PrefixKernelConfig(64, 64, False, 4, 2, tma=True), "tma-128": TMA_CONFIG, "defaults": None}[shape]

@@ -1,11 +1,11 @@
-"""The fused elementwise kernels (hicache.engine.fused_ops) against PyTorch's ops (CPU, through Triton's
+"""The fused elementwise kernels (hicache.engine.kernels.fused) against PyTorch's ops (CPU, through Triton's
 interpreter), and their PyTorch fallback."""
 
 from __future__ import annotations
 
 import torch
 
-from hicache.engine import fused_ops
+from hicache.engine.kernels import fused as fused_ops
 
 
 def test_silu_and_mul_kernel_matches_pytorch(interpreted_fused: dict) -> None:

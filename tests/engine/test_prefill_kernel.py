@@ -59,7 +59,7 @@ def test_mixed_step_through_both_kernels_matches_the_reference(interpreted_mixed
 
 def test_refuses_a_page_table_too_short_for_the_sequence() -> None:
     pytest.importorskip("triton")
-    from hicache.engine.prefill_kernel import paged_prefix_attention
+    from hicache.engine.kernels.prefill import paged_prefix_attention
 
     pool = torch.zeros(4, 16, 2, 16)
     with pytest.raises(ValueError, match="8 new tokens of a 40-token sequence with 2 pages of 16"):
@@ -72,8 +72,9 @@ def test_a_kernel_that_does_not_fit_the_gpu_falls_back_to_sdpa_for_good(monkeypa
     pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
-    from hicache.engine import attention, load_model, prefill_kernel
+    from hicache.engine import attention, load_model
     from hicache.engine import model as model_module
+    from hicache.engine.kernels import prefill as prefill_kernel
 
     monkeypatch.setattr(prefill_kernel, "_unavailable", {})
     launches = []
@@ -115,7 +116,7 @@ def test_default_shapes_put_tma_first_only_where_it_applies(monkeypatch: pytest.
     """TMA first on a Hopper GPU with contiguous pools of 64-token pages; otherwise, or once it failed, the plain
     shape alone; the interpreter's shape on CPU."""
     pytest.importorskip("triton")
-    from hicache.engine import prefill_kernel as pk
+    from hicache.engine.kernels import prefill as pk
 
     monkeypatch.setattr(pk, "_unavailable", {})
     cuda = torch.device("cuda")  # only a name here: _tma_supported is the one that asks the GPU
@@ -140,7 +141,7 @@ def test_a_shape_that_fails_falls_through_to_the_next_default(monkeypatch: pytes
     pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
-    from hicache.engine import prefill_kernel as pk
+    from hicache.engine.kernels import prefill as pk
 
     monkeypatch.setattr(pk, "_unavailable", {})
     first, second = pk.PrefixKernelConfig(128, 16), pk.PrefixKernelConfig(16, 16)
@@ -176,8 +177,8 @@ def test_warm_up_runs_one_chunk_over_a_prefix_through_the_kernel_path(monkeypatc
     prefix kernel for it, so the kernel compiles (or is found not to fit) before the server takes requests."""
     from hicache.engine import attention, load_model
     from hicache.engine import model as model_module
-    from hicache.engine.builder import warm_up_prefix_kernel
-    from hicache.engine.prefill_kernel import PrefixKernelUnavailable
+    from hicache.engine.assembly import warm_up_prefix_kernel
+    from hicache.engine.kernels.prefill import PrefixKernelUnavailable
 
     calls = []
 

@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (gloo): a model split over 2 and 4 ranks (4 > its 2 KV heads: replicated) gives
 the logits and greedy tokens of one rank; shapes that cannot be split are refused by name; a rank that dies
-ends the others with an error, not a hang (hicache/engine/tp.py)."""
+ends the others with an error, not a hang (hicache/engine/tp/shard.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from hicache.engine.tp import check_divisible, kv_heads_of
+from hicache.engine.tp.shard import check_divisible, kv_heads_of
 from hicache.modelinfo import RANDOM_PRESETS
 from hicache.valkey_local import free_port
 
@@ -74,7 +74,7 @@ def test_a_rank_reads_only_its_part_of_each_tensor_from_a_checkpoint(tmp_path, m
     from engine_helpers import hf_and_ours
 
     from hicache.engine import weights
-    from hicache.engine.tp import TPShard, cut_tensor, parameter_cut
+    from hicache.engine.tp.shard import TPShard, cut_tensor, parameter_cut
     from hicache.engine.weights import load_model
 
     _, whole = hf_and_ours(tmp_path, "llama")  # 4 heads, 2 KV heads, MLP 96, vocabulary 256

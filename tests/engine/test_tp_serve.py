@@ -201,8 +201,8 @@ def test_sizes_and_options_that_cannot_split_are_refused_by_name(tmp_path):
 def test_a_rank_that_fails_to_start_is_named_at_once(tmp_path):
     import torch
 
-    from hicache.engine.lockstep import RankLost
-    from hicache.engine.tp_engine import build_tp_engine
+    from hicache.engine.tp.engine import build_tp_engine
+    from hicache.engine.tp.lockstep import RankLost
 
     threads = torch.get_num_threads()  # building a leader shares the CPU's threads among the ranks
     config = scenario_config(tmp_path, 2)

@@ -118,7 +118,7 @@ def leader(config_path: str, out_path: str, scenario: str = "full") -> int:
     log = record_collectives()
     from hicache.config import from_dict
     from hicache.engine.builder import build_engine
-    from hicache.engine.tp_engine import build_tp_engine
+    from hicache.engine.tp.engine import build_tp_engine
 
     with open(config_path) as f:
         cfg = from_dict(json.load(f), config_path)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hicache.engine.model import ForwardBatch  # noqa: E402
-from hicache.engine.tp import TPShard, shard_model  # noqa: E402
+from hicache.engine.tp.shard import TPShard, shard_model  # noqa: E402
 from hicache.engine.weights import load_model  # noqa: E402
 
 PAGE = 4

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hicache.engine.decode_kernel import triton
+from hicache.engine.kernels.decode import triton
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def paged_prefix_attention(
     page_size, num_kv_heads, head_dim], one layer of the pool, the new tokens' K/V already written; page_table:
     [>= ceil(seq_len / page_size)] integer page ids. Returns [n_new, num_heads, head_dim] in q's dtype, written into
     `out` when given (a view of that shape and dtype whose head_dim is contiguous, e.g. rows of a larger output).
-    Needs `hicache.engine.decode_kernel.kernel_supported` for the device, page size and head_dim. Without `config`
+    Needs `hicache.engine.kernels.decode.kernel_supported` for the device, page size and head_dim. Without `config`
     the default launch shapes are tried in turn (`default_configs`): one that does not compile or fit on this GPU
     is logged once and skipped from then on. Raises PrefixKernelUnavailable when none (or the given `config`)
     can run.

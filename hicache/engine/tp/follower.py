@@ -1,12 +1,12 @@
-"""A tensor-parallel follower: rank K > 0 of `hicache serve --tp N`, started by the leader (hicache.engine.tp_group).
+"""A tensor-parallel follower: rank K > 0 of `hicache serve --tp N`, started by the leader (hicache.engine.tp.group).
 
 It holds its shard of the model and its own GPU pool, host pool, copier and L3 store (same capacities in pages as
 the leader's; its own namespace and L3 directory), and no scheduler, tree or controller: each exchange it applies
-the leader's plan (hicache.engine.lockstep) to its tiers, runs the plan's forward, and reports the L3 I/O it
+the leader's plan (hicache.engine.tp.lockstep) to its tiers, runs the plan's forward, and reports the L3 I/O it
 finished. It exits when the leader sends the stop plan (0, after finishing its L3 writes) or when a collective
 fails (1: the leader is gone).
 
-    python -m hicache.engine.tp_follower --rank K --size N --store-port PORT < config.json
+    python -m hicache.engine.tp.follower --rank K --size N --store-port PORT < config.json
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 from hicache.cache import TORCH_DTYPES, RankTiers, build_tiers
 from hicache.config import Config, from_dict, resolve_sizes
-from hicache.engine.builder import choose_kernels, engine_namespace, kv_layout, scratch_prefill, warm_up_prefix_kernel
+from hicache.engine.assembly import choose_kernels, engine_namespace, kv_layout, scratch_prefill, warm_up_prefix_kernel
 from hicache.engine.engine import unpack_inputs
 from hicache.engine.host_io import HostStaging
-from hicache.engine.lockstep import STOP, Collectives, Plan, Report
-from hicache.engine.tp import TPShard
-from hicache.engine.tp_group import READY_KEY
+from hicache.engine.tp.group import READY_KEY
+from hicache.engine.tp.lockstep import STOP, Collectives, Plan, Report
+from hicache.engine.tp.shard import TPShard
 from hicache.engine.weights import load_model
 from hicache.modelinfo import resolve_device, resolve_dtype
 
@@ -53,7 +53,7 @@ def rank_summary(cfg: Config, layout: Any) -> dict[str, Any]:
 
 
 class PlanOps:
-    """Applies a plan's ops to this rank's tiers (the op forms are listed in hicache.engine.tp_ports)."""
+    """Applies a plan's ops to this rank's tiers (the op forms are listed in hicache.engine.tp.ports)."""
 
     def __init__(self, tiers: RankTiers) -> None:
         self.tiers = tiers

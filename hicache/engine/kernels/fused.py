@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hicache.engine.decode_kernel import _INTERPRET, triton
+from hicache.engine.kernels.decode import _INTERPRET, triton
 
 # process-wide switch (config: model.fused_elementwise); benchmarks flip it to time both paths in one process
 enabled = True

@@ -2,7 +2,7 @@
 
 Rank 0 (the leader) runs the scheduler, the radix tree and the controller. Its controller's byte moves (copies
 between GPU and host, L3 reads, writes and deletes) are made on its own tiers and recorded as ops
-(hicache.engine.tp_ports); page ids and keys are the leader's decisions, and every rank's pools have the same
+(hicache.engine.tp.ports); page ids and keys are the leader's decisions, and every rank's pools have the same
 capacities, so they mean the same on every rank. Each exchange is, on every rank and in this order:
 
 1. `broadcast_plan`: the leader's `Plan` (the ops recorded since the last one, and the step's forward inputs or
@@ -52,7 +52,7 @@ class RankLost(EngineHalted):
 @dataclass
 class Plan:
     """What every rank does in one exchange (see the module doc). `scratch`: a forward outside serving that every
-    rank runs at once, by name (`SCRATCH_FORWARDS` in hicache.engine.tp_follower): prefill calibration, kernel
+    rank runs at once, by name (`SCRATCH_FORWARDS` in hicache.engine.tp.follower): prefill calibration, kernel
     warm-up."""
 
     kind: str

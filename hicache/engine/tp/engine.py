@@ -1,9 +1,9 @@
 """The tensor-parallel engine: rank 0 of `model.tp_size` ranks, which decides every step for all of them.
 
-`build_tp_engine(cfg)` checks that the model splits over the ranks, starts the followers (hicache.engine.tp_group),
+`build_tp_engine(cfg)` checks that the model splits over the ranks, starts the followers (hicache.engine.tp.group),
 loads rank 0's shard, checks that every rank's tiers have the same capacities in pages, calibrates on all ranks at
-once, and builds the cache with the lockstep proxies in place of its copier and L3 (hicache.engine.tp_ports).
-`TPEngine` is the engine with each forward run as a plan exchange (hicache.engine.lockstep): the scheduler, the
+once, and builds the cache with the lockstep proxies in place of its copier and L3 (hicache.engine.tp.ports).
+`TPEngine` is the engine with each forward run as a plan exchange (hicache.engine.tp.lockstep): the scheduler, the
 tree and the controller decide on rank 0 alone, and the followers make the same byte moves and run the same
 forward. A lost rank raises RankLost out of `step`, which ends the engine thread (and the server) with that error.
 """
@@ -23,7 +23,7 @@ import torch
 
 from hicache.cache import TORCH_DTYPES, RankTiers, build_cache
 from hicache.config import Config, ConfigError, SchedulerConfig
-from hicache.engine.builder import (
+from hicache.engine.assembly import (
     attention_probe_sizes,
     calibrate_attention,
     calibrate_prefill,
@@ -34,11 +34,11 @@ from hicache.engine.builder import (
     warm_up_prefix_kernel,
 )
 from hicache.engine.engine import Engine, EngineHalted, ForwardInputs
-from hicache.engine.lockstep import Collectives, Lockstep, RankLost
-from hicache.engine.tp import TPShard, check_divisible
-from hicache.engine.tp_follower import rank_device, rank_summary
-from hicache.engine.tp_group import EXIT_GRACE_S, RankGroup
-from hicache.engine.tp_ports import LockstepCopier, LockstepL3, LockstepWorker
+from hicache.engine.tp.follower import rank_device, rank_summary
+from hicache.engine.tp.group import EXIT_GRACE_S, RankGroup
+from hicache.engine.tp.lockstep import Collectives, Lockstep, RankLost
+from hicache.engine.tp.ports import LockstepCopier, LockstepL3, LockstepWorker
+from hicache.engine.tp.shard import TPShard, check_divisible
 from hicache.engine.weights import DEFAULT_MODEL, load_model, smollm2_dir
 from hicache.modelinfo import RANDOM_PRESETS, LlamaConfig, resolve_dtype
 

@@ -1,5 +1,5 @@
 """The leader's byte stores as its controller sees them under tensor parallelism: each proxy makes a call on the
-leader's own tier and records it as an op for the followers (hicache.engine.lockstep), which make it on theirs.
+leader's own tier and records it as an op for the followers (hicache.engine.tp.lockstep), which make it on theirs.
 
 What the controller decides (allocations, the tree, which keys to probe) stays on the leader; what moves or frees
 bytes is sent: copies between GPU and host (`to_host`, `to_device`), L3 reads and writes (with the host page ids

@@ -2,7 +2,7 @@
 ready, form the process group with them, notice one that exits, and end them all.
 
 The leader (rank 0, this process) hosts the group's TCP store on a port the kernel picks and starts ranks 1..N-1
-as `python -m hicache.engine.tp_follower` (the config on their stdin, this checkout's packages first on their
+as `python -m hicache.engine.tp.follower` (the config on their stdin, this checkout's packages first on their
 path). Each loads its shard and builds its tiers, which can take minutes for a large model, then sets its ready key
 in the store with a summary of its tiers; the leader, loading its own shard meanwhile, waits for those keys while
 watching the processes (`model.tp_start_timeout_s`), so a follower that fails to start is named at once. Only then
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from hicache.config import Config, to_dict
-from hicache.engine.lockstep import RankLost
+from hicache.engine.tp.lockstep import RankLost
 
 logger = logging.getLogger(__name__)
 
-FOLLOWER_MODULE = "hicache.engine.tp_follower"
+FOLLOWER_MODULE = "hicache.engine.tp.follower"
 EXIT_GRACE_S = 30.0  # how long a follower may take to close its tiers after the stop plan before it is killed
 LOSS_NOTICE_S = 1.0  # after a failed collective, how long to wait for the lost follower's exit to show
 
@@ -52,7 +52,7 @@ class RankGroup:
     def start(cls, cfg: Config, follower_command: Sequence[str] | None = None) -> RankGroup:
         """Start ranks 1..N-1; they load their shards and build their tiers meanwhile (`wait_ready`, then
         `join`). `follower_command`: the program of a follower, run with `--rank K --size N --store-port P
-        --log-level L` (default: this interpreter with `-m hicache.engine.tp_follower`)."""
+        --log-level L` (default: this interpreter with `-m hicache.engine.tp.follower`)."""
         size = cfg.model.tp_size
         start = datetime.timedelta(seconds=cfg.model.tp_start_timeout_s)
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=start, wait_for_workers=False)
