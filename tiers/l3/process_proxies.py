@@ -14,16 +14,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tiers.l3.format import L3Error
 from tiers.l3.process_child import CLOSE_TIMEOUT_S, Pages
 from tiers.l3.worker import Completion
 
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from tiers.l3.process import L3Process
 
 SLOW_CALL_S = 0.25  # a store call answered slower than this is logged (at most once per SLOW_CALL_LOG_S)
 SLOW_CALL_LOG_S = 10.0
@@ -118,11 +115,23 @@ class CurrentLink:
         self.link = link
 
 
+class ProcessOwner(Protocol):
+    """What the store proxy needs of the L3Process that owns it (tiers/l3/process.py)."""
+
+    path: str
+    current: CurrentLink
+    restarts: int
+    call_times: CallTimes
+    closing: bool
+
+    def release(self) -> None: ...
+
+
 class StoreProxy:
     """The L3 store of the child process, as `tiers.l3.L3Store` is called by the controller, the server and the
     calibration."""
 
-    def __init__(self, owner: L3Process, pages: Pages, info: dict) -> None:
+    def __init__(self, owner: ProcessOwner, pages: Pages, info: dict) -> None:
         self._owner, self._pages = owner, pages
         self.capacity_pages: int = info["capacity_pages"]
         self._io_backend: str = info["io_backend"]

@@ -6,11 +6,9 @@ they share, the public calls that are neither, and the index commits."""
 from __future__ import annotations
 
 import errno
-import heapq
 import logging
 import os
 import threading
-import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +17,7 @@ import lmdb
 
 from tiers.l3.admission import admission_policy
 from tiers.l3.entry import READ_FAILURE_LOG_S, Entry
-from tiers.l3.format import FORMAT_VERSION, NAMESPACE_BYTES, L3Error, index_key
+from tiers.l3.format import FORMAT_VERSION, NAMESPACE_BYTES, L3Error
 from tiers.l3.lockfile import WriterLock
 from tiers.l3.ratelimit import TokenBucket
 from tiers.l3.slab import SlabFile
@@ -228,67 +226,3 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
         if self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
-
-    def _commit(self, puts=(), deletes=(), touches=()) -> bool:
-        try:
-            self._index.commit(puts=puts, deletes=deletes, touches=touches)
-        except lmdb.Error as e:
-            log.error("%s: index commit failed: %s", self.path, e)
-            return False
-        with self._lock:
-            self._counters["index_commits"] += 1
-            self._counters["access_flushes"] += bool(touches)
-        return True
-
-    def _commit_drop(self, gone: list[tuple[bytes, int]], release: bool) -> bool:
-        """Durably delete index entries of slots in limbo; then free them (release) or keep them for reuse."""
-        ok = self._commit(deletes=[index_key(self.namespace, key) for key, _ in gone])
-        with self._lock:
-            for _, slot in gone:
-                self._limbo.discard(slot)
-                if not ok:
-                    self._quarantined.add(slot)
-                elif release:
-                    self._release_slot(slot)
-        if not ok:
-            self._degrade("index delete failed", 0)
-        return ok
-
-    def _stamp(self, count: int = 1) -> int:
-        """First of `count` strictly increasing access times (caller holds the lock)."""
-        first = max(time.time_ns(), self._last_stamp + 1)
-        self._last_stamp = first + count - 1
-        return first
-
-    def _take_touches(self) -> list[tuple[bytes, int, int]]:
-        """Pending access-time updates (caller holds the lock)."""
-        touches = []
-        for key in self._dirty_access:
-            entry = self._entries.get(key)
-            if entry is not None:
-                touches.append((index_key(self.namespace, key), entry.slot, entry.access_ns))
-        self._dirty_access.clear()
-        return touches
-
-    def _release_slot(self, slot: int) -> None:
-        if self._pins[slot]:
-            self._deferred_free.add(slot)
-        else:
-            heapq.heappush(self._free, slot)
-
-    def _unpin(self, slot: int) -> None:
-        self._pins[slot] -= 1
-        if self._pins[slot] <= 0:
-            del self._pins[slot]
-            if slot in self._deferred_free:
-                self._deferred_free.discard(slot)
-                heapq.heappush(self._free, slot)
-
-    def _degrade(self, reason: str, pages: int) -> None:
-        with self._lock:
-            self._counters["write_errors"] += pages
-            if self._state != "degraded":
-                log.error("%s: %s; L3 store degraded (writes refused for %.0f s, reads continue)",
-                          self.path, reason, self.degraded_retry_s)
-            self._state = "degraded"
-            self._degraded_at = time.monotonic()

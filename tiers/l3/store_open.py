@@ -9,7 +9,6 @@ import errno
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
 
 from tiers.l3.entry import Entry
 from tiers.l3.format import (
@@ -27,17 +26,15 @@ from tiers.l3.index import INDEX_NAME, index_map_bytes, move_aside, open_index
 from tiers.l3.io import KvikioSlotIO, PosixSlotIO, kvikio_compat_mode, kvikio_usable
 from tiers.l3.lockfile import WriterLock, prepare_directory
 from tiers.l3.slab import SlabFile, create_slab, read_header, slab_path
-
-if TYPE_CHECKING:
-    from tiers.l3.store import L3Store
+from tiers.l3.store_state import StoreState
 
 log = logging.getLogger("tiers.l3.store")  # one logger for the store, whichever part of it speaks
 
 
-class StoreOpening:
+class StoreOpening(StoreState):
     """L3Store's open methods (a mixin: the state they use is L3Store's)."""
 
-    def _open(self: L3Store, capacity_bytes: int, io_backend: str, io_threads: int, max_io_bytes: int) -> None:
+    def _open(self, capacity_bytes: int, io_backend: str, io_threads: int, max_io_bytes: int) -> None:
         prepare_directory(self.path, self.read_only)
         if not self.read_only:
             self._writer_lock = WriterLock(self.path)
@@ -90,7 +87,7 @@ class StoreOpening:
         log.info("%s: L3 store open, %d/%d pages, io_backend=%s, state=%s", self.path, len(self._entries),
                  self.capacity_pages, self._io.name, self._state)
 
-    def _check_header(self: L3Store, file: str) -> tuple[SlabHeader | None, str]:
+    def _check_header(self, file: str) -> tuple[SlabHeader | None, str]:
         """The slab header if usable; (None, reason) if missing or unreadable; L3Error on a mismatch."""
         try:
             header = read_header(file)
@@ -112,7 +109,7 @@ class StoreOpening:
                                         f"requested {self.page_bytes}")
         return header, ""
 
-    def _pick_kvikio(self: L3Store, io_backend: str) -> bool:
+    def _pick_kvikio(self, io_backend: str) -> bool:
         """kvikio when asked for; with "auto" only where GPUDirect Storage is active (not kvikio's compat mode)."""
         if io_backend not in ("auto", "kvikio"):
             return False
@@ -124,7 +121,7 @@ class StoreOpening:
             return False
         return usable
 
-    def _load(self: L3Store, slot_count: int) -> None:
+    def _load(self, slot_count: int) -> None:
         """Rebuild the LRU order and the free list from the index; drop entries that cannot be valid."""
         header = self._slab.header
         on_disk = self._slab.slots_on_disk()

@@ -8,7 +8,6 @@ import errno
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,17 +15,15 @@ from tiers.l3.entry import READ_FAILURE_LOG_S, TOUCH_FLUSH_ENTRIES
 from tiers.l3.format import (
     bound_checksum,
 )
-
-if TYPE_CHECKING:
-    from tiers.l3.store import L3Store
+from tiers.l3.store_state import StoreState
 
 log = logging.getLogger("tiers.l3.store")  # one logger for the store, whichever part of it speaks
 
 
-class StoreReads:
+class StoreReads(StoreState):
     """L3Store's read methods (a mixin: the state they use is L3Store's)."""
 
-    def read_pages(self: L3Store, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
+    def read_pages(self, keys: Sequence[bytes], out: Sequence[torch.Tensor]) -> list[bool]:
         """Copy stored pages into `out`; True only if the bytes verified against the stored checksum.
 
         A checksum mismatch or a short read is a miss: logged, counted, and the entry is dropped.
@@ -75,7 +72,7 @@ class StoreReads:
         self._log_read_failures()
         return results
 
-    def _count_read_failure(self: L3Store, key: bytes, slot: int, error: OSError | None) -> bool:
+    def _count_read_failure(self, key: bytes, slot: int, error: OSError | None) -> bool:
         """Count a failed read and note it for the batch's one log line (caller holds the lock); True if the
         entry must be dropped."""
         if error is None:
@@ -88,7 +85,7 @@ class StoreReads:
         self._read_failures.append((kind, key, slot, error))
         return drop
 
-    def _log_read_failures(self: L3Store) -> None:
+    def _log_read_failures(self) -> None:
         """One ERROR line for a read call's failed pages (a corrupted store would print one per page), with the
         counts by kind and the first page; at most one line per READ_FAILURE_LOG_S, the rest counted in it."""
         with self._lock:

@@ -10,7 +10,6 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,17 +21,15 @@ from tiers.l3.format import (
     bound_checksum,
     index_key,
 )
-
-if TYPE_CHECKING:
-    from tiers.l3.store import L3Store
+from tiers.l3.store_state import StoreState
 
 log = logging.getLogger("tiers.l3.store")  # one logger for the store, whichever part of it speaks
 
 
-class StoreWrites:
+class StoreWrites(StoreState):
     """L3Store's write methods (a mixin: the state they use is L3Store's)."""
 
-    def write_pages(self: L3Store, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def write_pages(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Store pages; True = durably written and indexed, or already present.
 
         False: not admitted, store degraded, key being written by another call, or an I/O error.
@@ -40,7 +37,7 @@ class StoreWrites:
         """
         return self.write_pages_detailed(keys, pages)[0]
 
-    def write_pages_detailed(self: L3Store, keys: Sequence[bytes],
+    def write_pages_detailed(self, keys: Sequence[bytes],
                              pages: Sequence[torch.Tensor]) -> tuple[list[bool], list[str | None]]:
         """`write_pages`, with why each refused page was refused: "not_admitted" (the admission rule), "busy"
         (another call is writing the key), "degraded" (the store refuses writes for now) or "failed" (no slot,
@@ -60,7 +57,7 @@ class StoreWrites:
             reasons[i] = None if results[i] else reasons[j] or "failed"
         return results, reasons
 
-    def _write_planned(self: L3Store, keys, pages, todo: list[int], results: list[bool]) -> None:
+    def _write_planned(self, keys, pages, todo: list[int], results: list[bool]) -> None:
         victims, slots = self._allocate([keys[i] for i in todo], protect=set(keys))
         if victims and not self._commit_drop(victims, release=False):
             slots = []  # the victims' index state is unknown (now quarantined): write nothing
@@ -99,13 +96,13 @@ class StoreWrites:
             if previous is not None:
                 previous.result()
 
-    def _check_writable(self: L3Store) -> None:
+    def _check_writable(self) -> None:
         if self.read_only:
             raise L3Error(errno.EROFS, f"{self.path}: L3 store opened read-only")
         if self._index is None:
             raise L3Error(errno.EBADF, f"{self.path}: L3 store is closed")
 
-    def _check_batch(self: L3Store, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> None:
+    def _check_batch(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> None:
         if self._index is None:
             raise L3Error(errno.EBADF, f"{self.path}: L3 store is closed")
         if len(keys) != len(tensors):
@@ -118,7 +115,7 @@ class StoreWrites:
                 raise ValueError(f"page must be a contiguous 1-D uint8 tensor of {self.page_bytes} bytes, "
                                  f"got {tuple(tensor.shape)} {tensor.dtype}")
 
-    def _plan_writes(self: L3Store, keys: Sequence[bytes], results: list[bool], reasons: list[str | None]) -> list[int]:
+    def _plan_writes(self, keys: Sequence[bytes], results: list[bool], reasons: list[str | None]) -> list[int]:
         """Indices of keys this call will write (admitted, absent, not in flight); marks present ones True and
         notes why the others are refused."""
         with self._lock:
@@ -155,7 +152,7 @@ class StoreWrites:
                 self._in_flight[keys[i]] = -1
             return todo
 
-    def _allocate(self: L3Store, keys: list[bytes], protect: set[bytes]) -> tuple[list[tuple[bytes, int]], list[int]]:
+    def _allocate(self, keys: list[bytes], protect: set[bytes]) -> tuple[list[tuple[bytes, int]], list[int]]:
         """Slots for `keys` (in order), evicting least recently used pages; returns (victims, slots).
 
         Pages being read and pages named in this batch (`protect`) are never victims.
@@ -178,13 +175,13 @@ class StoreWrites:
                 self._in_flight[key] = slot
             return victims, slots
 
-    def _sync_and_finish(self: L3Store, keys, group: list[int], slots: list[int], outcomes,
+    def _sync_and_finish(self, keys, group: list[int], slots: list[int], outcomes,
                          results: list[bool]) -> None:
         """Sync one written group and commit its index entries (none once an earlier group degraded the store)."""
         digests = [None] * len(group) if self._state == "degraded" else self._sync_group(outcomes)
         self._finish_writes(keys, group, slots, digests, results)
 
-    def _sync_group(self: L3Store, outcomes) -> list[int | None]:
+    def _sync_group(self, outcomes) -> list[int | None]:
         """fdatasync a written group; returns each page's checksum, None where the write or sync failed."""
         digests = [o.digest if o.error is None else None for o in outcomes]
         failed = [o.error for o in outcomes if o.error is not None]
@@ -200,7 +197,7 @@ class StoreWrites:
                 digests = [None] * len(digests)
         return digests
 
-    def _finish_writes(self: L3Store, keys, group: list[int], slots: list[int], digests: list[int | None],
+    def _finish_writes(self, keys, group: list[int], slots: list[int], digests: list[int | None],
                        results: list[bool]) -> None:
         """Commit the written pages' index entries; failed pages' slots go back to the free list."""
         with self._lock:
