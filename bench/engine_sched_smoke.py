@@ -50,7 +50,7 @@ def main() -> None:
                 greedy.setdefault(out.request_id, []).extend(out.new_token_ids)
         engine.cache.controller.check_integrity()
     ctrl = engine.cache.controller
-    assert done == args.requests and not ctrl._private
+    assert done == args.requests and not ctrl.commits.private
     assert ctrl.device.used_pages() == len(ctrl.tree.owned_pages("device"))
     stats = engine.stats()
     digest = hashlib.sha1(repr(sorted(greedy.items())).encode()).hexdigest()[:12]

@@ -1,9 +1,10 @@
-"""The tier controller: the cache as one small service over four parts with one-way dependencies.
+"""The tier controller: the cache as one small service over five parts with one-way dependencies.
 
     Lookup    match + L3 probe                          (tree, L3 index)
     Eviction  room per tier, freeing removed nodes      (tree, pools, transfers)
     Writes    write policies as strategies              (Eviction)
     Loads     plans, copies, tickets, prefetch          (Eviction, cost model)
+    Commits   a request's GPU pages into the tree       (Eviction, Writes)
 
 The tree holds where pages live; the controller's `Transfers` table holds what is moving them. A
 request's life: `acquire(tokens)` matches, plans and starts loads and returns a ticket holding a
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from controller.commits import Commits
 from controller.cost import CostModel
 from controller.eviction import Eviction
 from controller.loads import Loads
@@ -36,7 +38,7 @@ from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import Transfers
 from controller.writes import NoWrites, Writes, tier_writes
-from radix import DEFAULT_NAMESPACE, DEVICE, DISK, HOST, CacheNamespace, MatchResult, RadixTree, TreeNode
+from radix import DEFAULT_NAMESPACE, DEVICE, DISK, HOST, CacheNamespace, MatchResult, RadixTree
 from tiers.copy import LaunchLater
 from tiers.l3.worker import L3Worker
 
@@ -92,7 +94,7 @@ class TierController:
                            self.stats, cost or CostModel(tree.page_size, device.page_bytes),
                            prefetch and l3 is not None, shared_pages=getattr(self.l3, "shared_pages", None),
                            staging_share=prefetch_host_share)
-        self._private: set[int] = set()  # GPU pages handed to callers, not yet in the tree
+        self.commits = Commits(tree, device, self.eviction, self.writes)
         # counts the events that can give host memory back to a prefetch (a ticket or hold released, I/O applied):
         # a hold that stopped short is not asked again until one has happened (see `prefetch`)
         self.host_room_version = 0
@@ -105,10 +107,6 @@ class TierController:
     @cost.setter
     def cost(self, cost: CostModel) -> None:
         self.loads.cost = cost
-
-    @property
-    def prefetch_enabled(self) -> bool:
-        return self.loads.prefetch_enabled
 
     # ------------------------------------------------------------------ the engine step
 
@@ -178,7 +176,7 @@ class TierController:
         """Start reading a queued request's disk-only prefix into host memory, pinned there until the hold is given
         back (`release_prefetch`), so at admission it loads from host. A `short` hold (no room) passed back as
         `hold` goes on where it stopped. See Loads.prefetch."""
-        if not self.prefetch_enabled:
+        if not self.loads.prefetch_enabled:
             return hold or PrefetchHold()
         if hold is not None and hold.short and hold.room_version == self.host_room_version:
             return hold  # nothing gave host memory back since it stopped: asking again (a match of a long prompt,
@@ -196,74 +194,20 @@ class TierController:
         self.eviction.remove_invalid()
 
     def alloc_device(self, n: int) -> list[int] | None:
-        """n private GPU pages for new KV, evicting cached pages as needed; None if impossible."""
-        pages = self.eviction.allocate(DEVICE, n)
-        if pages is not None:
-            self._private.update(pages)
-            self.writes.allocated()
-        return pages
+        """n private GPU pages for new KV, evicting cached pages as needed; None if impossible (Commits)."""
+        return self.commits.alloc_device(n)
 
     def free_device(self, pages: Sequence[int]) -> None:
         """Return private GPU pages (not committed to the tree)."""
-        self._private.difference_update(pages)
-        self.device.free(pages)
+        self.commits.free_device(pages)
 
     def commit(self, ticket: LoadTicket, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
-        """Insert the full pages of tokens (the ticket's prefix plus new ones; device_pages covers them all, the
-        ticket's own first) and move the ticket's lock to the new deepest node. Returns the canonical GPU pages:
-        where another request committed the same pages first, the tree's win and the caller's are freed. Write
-        policies fire for the new pages."""
-        ps = self.page_size
-        if ticket.gap is not None:
-            raise ValueError(f"commit: the ticket's gap {ticket.gap} is not committed yet (commit_gap)")
-        have, full = ticket.num_pages, len(tokens) // ps
-        if len(device_pages) < full:
-            raise ValueError(f"commit: {full} full pages of tokens but {len(device_pages)} GPU pages")
-        if full <= have:
-            return ticket.device_pages()[:full]
-        node = self._insert(tokens[have * ps : full * ps], device_pages[have:full], ticket.node)
-        path: list[TreeNode] = []
-        walk = node
-        while walk is not ticket.node:
-            path.append(walk)
-            walk = walk.parent
-        self.tree.lock(node)
-        self.tree.unlock(ticket.node)
-        ticket.node = node
-        self.writes.committed(path[::-1], continues_hit=ticket.matched_pages > 0)
-        return ticket.device_pages()
+        """Insert a request's computed pages and move its ticket's lock down to them (Commits.commit)."""
+        return self.commits.commit(ticket, tokens, device_pages)
 
     def commit_gap(self, ticket: LoadTicket, tokens: Sequence[int], device_pages: Sequence[int]) -> list[int]:
-        """Adopt the caller's computed pages [k, k + len(device_pages)) of the ticket's gap [k, s); the gap shrinks
-        to what is left (None once committed). Where a gap node got GPU pages meanwhile, the tree's win (the ticket
-        may then wait for that load). Returns the canonical GPU pages of the part. Write policies fire."""
-        if ticket.gap is None:
-            raise ValueError("commit_gap: the ticket has no gap")
-        k, s = ticket.gap
-        end = k + len(device_pages)  # pages [k, end) are committed now
-        if end > s or len(tokens) < end * self.page_size:
-            raise ValueError(f"commit_gap: pages [{k}, {end}) for gap [{k}, {s}) and {len(tokens)} tokens")
-        if end == k:
-            return []
-        start = ticket.part(0, k)[-1] if k else ticket.base
-        node = self._insert(tokens[k * self.page_size : end * self.page_size], device_pages, start)
-        if node not in ticket.nodes:
-            raise AssertionError(f"commit_gap: tokens do not follow the ticket's path ({node})")
-        ticket.gap = (end, s) if end < s else None
-        part = ticket.part(k, end)
-        self.writes.committed(part, continues_hit=True)  # a gap lies inside a cached prefix
-        return [p for n in part for p in n.device_pages]
-
-    def _insert(self, tokens: Sequence[int], pages: Sequence[int], start: TreeNode) -> TreeNode:
-        """Insert private pages under `start`; the caller's duplicates of pages already cached are freed."""
-        new_pages = list(pages)
-        node, dups = self.tree.insert(tokens, new_pages, DEVICE, start=start)
-        self._private.difference_update(new_pages)
-        if dups:
-            dup_set = set(dups)
-            self._private.update(dup_set)
-            self.free_device([p for p in new_pages if p in dup_set])
-        return node
+        """Adopt pages computed in a ticket's gap (Commits.commit_gap)."""
+        return self.commits.commit_gap(ticket, tokens, device_pages)
 
     def release(self, ticket: LoadTicket) -> None:
         """Drop the ticket's lock; failed loads are cleaned up once nobody holds them."""
@@ -325,10 +269,6 @@ class TierController:
         """Start every deferred backup now; returns the pages copied."""
         return self.writes.flush_backups()
 
-    @property
-    def device_capacity_pages(self) -> int:
-        return self.device.capacity_pages
-
     def gauges(self) -> dict[str, int]:
         """GPU pages in use, and GPU pages freed while their copy to host was in flight (a counter)."""
         return {"device_used_pages": self.device.used_pages(), "backup_waits": self.stats.backup_waits}
@@ -351,7 +291,7 @@ class TierController:
     def check_integrity(self) -> None:
         """Tree integrity plus, per pool, free + owned == capacity with no page owned twice."""
         self.tree.check_integrity()
-        self.device.allocator.check_integrity(self.tree.owned_pages(DEVICE) + sorted(self._private))
+        self.device.allocator.check_integrity(self.tree.owned_pages(DEVICE) + sorted(self.commits.private))
         self.host.allocator.check_integrity(self.tree.owned_pages(HOST) + list(self.loads.loading_host_pages())
                                             + self.eviction.landing_host_pages())
         ev = self.eviction

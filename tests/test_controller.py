@@ -995,7 +995,7 @@ def test_load_mode_never_reads_nothing_from_disk():
     Harness(l3=l3, device=4, host=8).run(seq(7, 3))
     never = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "never")
     h = Harness(l3=l3, device=4, host=8, cost=never)
-    assert not h.ctrl.prefetch_enabled
+    assert not h.ctrl.loads.prefetch_enabled
     hold = h.ctrl.prefetch(seq(7, 3), max_pages=3)
     assert hold.started == 0 and hold.pages == 0
     assert h.run(seq(7, 3)) == {}  # on disk, recomputed

@@ -151,7 +151,7 @@ def test_gap_nodes_loaded_or_committed_by_another_request():
     assert ctrl.commit_gap(b, tokens, gap_b) == gap_b
     page_6 = b.tail_pages()[0] if b.gap else b.device_pages()[6]
     assert ctrl.commit_gap(a, tokens, gap_a) == gap_b + [page_6]  # the tree's pages win; a's are freed
-    assert not set(gap_a) & ctrl._private and not set(gap_a) & set(ctrl.tree.owned_pages(DEVICE))
+    assert not set(gap_a) & ctrl.commits.private and not set(gap_a) & set(ctrl.tree.owned_pages(DEVICE))
     ctrl.check_integrity()
     for t in (a, b):
         assert ctrl.wait_ticket(t) and not t.failed

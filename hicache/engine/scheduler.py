@@ -230,7 +230,7 @@ class Scheduler:
         admitted = self.running + self.loading
         backlog = sum(len(r.token_ids) - r.computed - 1 for r in admitted) - in_flight
         reserved = sum(self._pages_needed(r) for r in admitted)
-        capacity = self.ctrl.device_capacity_pages
+        capacity = self.ctrl.device.capacity_pages
         while self.waiting and len(self.running) + len(self.loading) < self.max_running:
             if backlog >= self.chunk_tokens or (self._starved and (self.running or self.loading)):
                 break
@@ -251,7 +251,7 @@ class Scheduler:
         free goes to the next request to be admitted, not to whoever arrives next. Every PREFETCH_RECHECK_S a
         request asks again anyway: its pages that were in memory when it arrived may have gone to disk since.
         """
-        if not self.ctrl.prefetch_enabled:
+        if not self.ctrl.loads.prefetch_enabled:
             return
         now = self.clock()
         for req in self.waiting:

@@ -55,7 +55,7 @@ def assert_no_leaks(engine: Engine) -> None:
     settle_l3(engine)
     ctrl = engine.cache.controller
     ctrl.check_integrity()
-    assert not ctrl._private
+    assert not ctrl.commits.private
     assert ctrl.device.used_pages() == len(ctrl.tree.owned_pages("device"))
     assert all(node.lock_ref == 0 and node.pin_ref == 0 for node in ctrl.tree.nodes())
     assert ctrl.loads.prefetching == 0
