@@ -32,7 +32,7 @@ from controller.eviction import Eviction
 from controller.loads import Loads
 from controller.lookup import Lookup
 from controller.policy import WritePolicy
-from controller.ports import L3, NO_HOST, NO_L3, NO_WORKER, Copier, HostPool, InstantCopier, Pool, Worker
+from controller.ports import L3, NO_HOST, NO_L3, NO_WORKER, Copier, HostTier, InstantCopier, Pool, Worker
 from controller.reuse import ReuseFilter, reuse_memory
 from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
@@ -56,7 +56,7 @@ class TierController:
         self,
         tree: RadixTree,
         device: Pool,
-        host: HostPool | None = None,
+        host: HostTier | None = None,
         l3: L3 | None = None,
         copier: Copier | None = None,
         write_policy: WritePolicy | None = None,
@@ -72,7 +72,7 @@ class TierController:
         policy = write_policy or WritePolicy()
         self.tree = tree
         self.device = device
-        self.host: HostPool = host if host is not None else NO_HOST
+        self.host: HostTier = host if host is not None else NO_HOST
         self.l3: L3 = l3 if l3 is not None else NO_L3
         copier = copier if copier is not None else InstantCopier()
         self.launch_later = launch_later and not isinstance(copier, InstantCopier)

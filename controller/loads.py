@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from controller.cost import CostModel, LoadPlan
 from controller.eviction import Eviction
 from controller.give_up import ReadDeadlines
-from controller.ports import Copier, HostPool, Pool, Worker, page_buffers
+from controller.ports import Copier, HostTier, Pool, Worker, page_buffers
 from controller.stats import REMOTE, CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import FAILED, PENDING_COPY, PREFETCHED, DiskLoad, Transfers
@@ -43,7 +43,7 @@ def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
 class Loads:
     """Load planning, copies to the GPU, tickets and prefetch (see the module doc)."""
 
-    def __init__(self, tree: RadixTree, device: Pool, host: HostPool, copier: Copier, worker: Worker,
+    def __init__(self, tree: RadixTree, device: Pool, host: HostTier, copier: Copier, worker: Worker,
                  eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool,
                  shared_pages: Callable[[Sequence[bytes]], int] | None = None, staging_share: float = 0.5):
         self.tree = tree

@@ -19,7 +19,7 @@ from tiers.copy import COMPLETED, TransferHandle
 Pool = PagePool
 
 
-class HostPool(PagePool, Protocol):
+class HostTier(PagePool, Protocol):
     """The host pool, whose pages the L3 store reads and writes in place."""
 
     def page_view(self, page: int) -> Any: ...

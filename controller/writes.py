@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from controller.eviction import Eviction
 from controller.policy import WritePolicy
-from controller.ports import L3, Copier, HostPool, Pool, Worker, page_buffers
+from controller.ports import L3, Copier, HostTier, Pool, Worker, page_buffers
 from controller.reuse import ReuseFilter
 from controller.stats import CacheStats
 from controller.transfers import Transfers
@@ -141,7 +141,7 @@ def tier_writes(mode: str, policy: WritePolicy, deferrable: bool = False) -> Tie
 class Writes:
     """The write mechanism under two strategies, `to_host` and `to_disk` (see the module doc)."""
 
-    def __init__(self, tree: RadixTree, device: Pool, host: HostPool, l3: L3, copier: Copier,
+    def __init__(self, tree: RadixTree, device: Pool, host: HostTier, l3: L3, copier: Copier,
                  worker: Worker, eviction: Eviction, transfers: Transfers, stats: CacheStats,
                  to_host: TierWrites, to_disk: TierWrites, page_bytes: int, staging_share: float = 1.0,
                  reuse: ReuseFilter | None = None):

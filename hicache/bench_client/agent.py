@@ -23,7 +23,7 @@ import httpx
 
 from hicache.bench_client.multiturn import BenchError, Client, metric_deltas, open_http
 from hicache.bench_client.report import BenchReport, TurnResult, build_report
-from hicache.bench_client.workload import PromptBuilder, Request, Session, load_traces
+from hicache.bench_client.workload import PromptBuilder, Session, SessionTurn, load_traces
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ async def run_agent(opts: AgentOptions, sessions: list[Session] | None = None) -
         max_context = opts.max_context or client.max_model_len
         gate = asyncio.Semaphore(opts.concurrency or len(sessions))
 
-        async def request(s: Session, req: Request) -> None:
+        async def request(s: Session, req: SessionTurn) -> None:
             prompt = builder.prompt(s, req)
             max_tokens = max(1, min(req.output_length, opts.output_length))
             if max_context is not None and len(prompt) + max_tokens > max_context:

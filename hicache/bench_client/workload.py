@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache.replay.agent import AgentSession, AgentTurn, parse_agent_session
 from hicache.replay.trace import TraceError, parse_lines
 
 BLOCK_SIZE = 64  # tokens per hash id in agent traces
@@ -63,7 +64,7 @@ PAUSE_S = 60.0  # think times above this count as pauses in `describe`'s fit
 
 
 @dataclass
-class Request:
+class SessionTurn:
     """One request of a session; lengths in the trace's tokens."""
 
     index: int  # position among its session's requests
@@ -80,11 +81,11 @@ class Session:
     name: str
     scope: str  # equal (scope, hash id) = equal block
     block_size: int
-    steps: list[Request | list[Session]] = field(default_factory=list)
+    steps: list[SessionTurn | list[Session]] = field(default_factory=list)
     arrival: float | None = None  # open loop: seconds from the run's start (before --time-scale); None: at once
 
-    def requests(self) -> list[Request]:
-        return [s for s in self.steps if isinstance(s, Request)]
+    def requests(self) -> list[SessionTurn]:
+        return [s for s in self.steps if isinstance(s, SessionTurn)]
 
     def walk(self) -> Iterator[Session]:
         """This session and every sub-agent below it, depth first."""
@@ -98,43 +99,32 @@ class Session:
 # ---------------------------------------------------------------------- reading traces
 
 
-def _number(value: Any, default: float = 0.0) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
-
-
 def _agent_session(obj: dict[str, Any], name: str, scope: str, block_size: int, where: str) -> Session:
+    """A session file's object as a closed-loop Session (hicache/replay/agent.py parses and checks it)."""
+    return _session(parse_agent_session(obj, block_size, where), name, scope, block_size)
+
+
+def _session(parsed: AgentSession, name: str, scope: str, block_size: int) -> Session:
+    """A parsed session's turns with their think times (where not recorded: the gap since the previous request
+    less that one's API time), its sub-agents as sessions of their own, named after their parent."""
     session = Session(name, scope, block_size)
-    requests = obj.get("requests")
-    if not isinstance(requests, list):
-        raise TraceError(f"{where}: `requests` must be a list")
-    group: list[Session] | None = None
-    prev_t = prev_api = None
+    prev: AgentTurn | None = None
     subagents = 0
-    for i, r in enumerate(requests):
-        if not isinstance(r, dict):
-            raise TraceError(f"{where}: request {i} is not an object")
-        if r.get("type") == "subagent":
-            subagents += 1
-            sub_name = f"{name}/sa{subagents}" + (f"-{r['agent_id']}" if r.get("agent_id") else "")
-            sub = _agent_session(r, sub_name, scope, block_size, f"{where} sub-agent {sub_name}")
-            if group is None:
-                group = []
-                session.steps.append(group)
-            group.append(sub)
+    for step in parsed.steps:
+        if isinstance(step, list):
+            group = []
+            for sub in step:
+                subagents += 1
+                sub_name = f"{name}/sa{subagents}" + (f"-{sub.agent_id}" if sub.agent_id else "")
+                group.append(_session(sub, sub_name, scope, block_size))
+            session.steps.append(group)
             continue
-        group = None
-        ids, n_in, n_out = r.get("hash_ids"), r.get("in"), r.get("out")
-        if not isinstance(ids, list) or not isinstance(n_in, int) or not isinstance(n_out, int) or n_in < 1:
-            raise TraceError(f"{where}: request {i} needs `in` >= 1, `out` and a `hash_ids` list")
-        if len(ids) > -(-n_in // block_size):
-            raise TraceError(f"{where}: request {i} has {len(ids)} hash_ids for {n_in} tokens")
-        t = _number(r.get("t"))
-        think = r.get("think_time")
-        if not isinstance(think, (int, float)) or isinstance(think, bool):
-            # not recorded: the gap since the previous request, less its API time when known
-            think = 0.0 if prev_t is None else max(0.0, t - prev_t - _number(prev_api))
-        session.steps.append(Request(len(session.requests()), n_in, max(0, n_out), ids, max(0.0, float(think))))
-        prev_t, prev_api = t, r.get("api_time")
+        think = step.think_time
+        if think is None:
+            think = 0.0 if prev is None else max(0.0, step.t - prev.t - (prev.api_time or 0.0))
+        session.steps.append(SessionTurn(len(session.requests()), step.input_length, step.output_length,
+                                         step.hash_ids, max(0.0, think)))
+        prev = step
     return session
 
 
@@ -177,7 +167,7 @@ def load_traces(paths: Sequence[str | Path]) -> list[Session]:
         trace = parse_lines(text.splitlines(), str(path), strict=True)
         scope = f"{trace.format}:{path.name}"
         for rec in trace.records:
-            req = Request(0, rec.input_length, rec.output_length, rec.hash_ids)
+            req = SessionTurn(0, rec.input_length, rec.output_length, rec.hash_ids)
             sessions.append(Session(f"{path.stem}:{rec.line}", scope, trace.block_tokens, [req],
                                     arrival=rec.timestamp_ms / 1000.0))
     if not sessions:
@@ -209,7 +199,7 @@ class PromptBuilder:
     def tokens_per_block(self, session: Session) -> int:
         return self.block_tokens or session.block_size
 
-    def length(self, session: Session, req: Request) -> int:
+    def length(self, session: Session, req: SessionTurn) -> int:
         """The prompt's length in tokens: the trace's, scaled when block_tokens differs from its block size."""
         return max(1, round(req.input_length * self.tokens_per_block(session) / session.block_size))
 
@@ -223,7 +213,7 @@ class PromptBuilder:
             tokens = self._blocks[key] = self._random(f"{scope}/{block_id!r}", n)
         return tokens
 
-    def prompt(self, session: Session, req: Request) -> list[int]:
+    def prompt(self, session: Session, req: SessionTurn) -> list[int]:
         n, length = self.tokens_per_block(session), self.length(session, req)
         out: list[int] = []
         for block_id in req.hash_ids:

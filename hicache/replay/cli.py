@@ -16,11 +16,12 @@ from controller.policy import WRITE_POLICIES
 from controller.reuse import ADMIT_MODES
 from hicache.config import ConfigError, TierSize, load_config, resolve_sizes
 from hicache.modelinfo import model_shape, resolve_dtype
+from hicache.replay.agent import is_agent_trace, read_agent_sessions
 from hicache.replay.core import Replayer, ReplayError, ReplaySetup
 from hicache.replay.reuse import ReuseProfile, stack_depths
 from hicache.replay.summary import CostInputs, format_table, summarize
 from hicache.replay.sweep import parse_sweep, plot_sweep, run_sweep
-from hicache.replay.trace import TRACE_LOG, Trace, TraceError, is_agent_trace, read_agent_sessions, read_trace
+from hicache.replay.trace import TRACE_LOG, Trace, TraceError, read_trace
 from radix import DEVICE, EVICTION_POLICIES, TIERS
 
 # Cost-model values used when neither a flag nor the config gives one (reported as assumed).

@@ -124,7 +124,7 @@ MAX_LINE_BYTES = 16 << 20  # a longer line is bad input: refused without reading
 TOKEN_ID_LIMIT = 1 << 62  # hash ids in [0, 2^62) are the blocks' tokens as they are
 
 
-def _block_token(value: int | str) -> int:
+def block_token(value: int | str) -> int:
     """The radix-tree token of a block's hash id: small non-negative integers as they are; strings and integers
     outside [0, 2^62) (negative, or up to any size) a 62-bit hash of their text, with bit 62 set, so that they never
     equal a small id and still fit the tree's int64 page keys. Equal ids give equal tokens."""
@@ -149,7 +149,7 @@ def _parse(obj: Any, fmt: str, block_tokens: int) -> TraceRecord:
     if len(ids) not in (full, ceil):
         raise ValueError(f"{len(ids)} hash_ids for input_length {input_length} at {block_tokens} tokens per "
                          f"block (want {full}" + (f" or {ceil})" if ceil != full else ")"))
-    rec = TraceRecord(float(ts), input_length, output_length, [_block_token(i) for i in ids], 0)
+    rec = TraceRecord(float(ts), input_length, output_length, [block_token(i) for i in ids], 0)
     if fmt == TRACE_LOG:
         bt = _int(obj, "block_tokens", 1)
         if bt != block_tokens:
@@ -213,79 +213,6 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>", block_tokens: int |
         ))
     trace.bad_lines = pending_bad
     return trace
-
-
-AGENT = "agent"  # coding-agent session JSON (../shared/traces/agent/): one session per file
-
-
-def _agent_requests(obj: dict, scope: str, start_s: float, where: str, out: list[TraceRecord],
-                    tokens: dict | None = None) -> None:
-    """A session's requests (sub-agents flattened in, same id scope) as records at start_s + their own `t`.
-    `tokens`: the session's ids already mapped (each turn repeats the prefix of the one before)."""
-    tokens = {} if tokens is None else tokens
-    requests = obj.get("requests")
-    if not isinstance(requests, list):
-        raise TraceError(f"{where}: `requests` must be a list")
-    for i, r in enumerate(requests):
-        if not isinstance(r, dict):
-            raise TraceError(f"{where}: request {i} is not an object")
-        if r.get("type") == "subagent":
-            _agent_requests(r, scope, start_s, f"{where} sub-agent {i}", out, tokens)
-            continue
-        ids, n_in, n_out, t = r.get("hash_ids"), r.get("in"), r.get("out"), r.get("t", 0.0)
-        if (not isinstance(ids, list) or isinstance(n_in, bool) or not isinstance(n_in, int) or n_in < 1
-                or isinstance(t, bool) or not isinstance(t, (int, float))):
-            raise TraceError(f"{where}: request {i} needs `in` >= 1, `t` and a `hash_ids` list")
-        if not all(isinstance(h, (int, str)) and not isinstance(h, bool) for h in ids):
-            raise TraceError(f"{where}: request {i}: every hash id must be an integer or a string")
-        out.append(TraceRecord((start_s + float(t)) * 1e3, n_in, n_out if isinstance(n_out, int) else 0,
-                               [tokens.get(h) or tokens.setdefault(h, _block_token(f"{scope}:{h}")) for h in ids],
-                               i + 1))
-
-
-def read_agent_sessions(paths: Sequence[str | Path], offset_s: float = 0.0) -> Trace:
-    """Agent-session JSON files (or directories of them) as one trace: session k starts at k * offset_s seconds
-    (0: all at once), its requests at their own `t` after that, all of them in time order; hash ids are unique per
-    session (scope: the file's `id`, or its name) unless the file says `hash_id_scope: global`. Sub-agents are
-    flattened into their session at their own times."""
-    files = []
-    for p in map(Path, paths):
-        files += sorted(f for f in p.iterdir() if f.suffix == ".json") if p.is_dir() else [p]
-    if not files:
-        raise TraceError(f"{', '.join(map(str, paths))}: no agent session files (.json)")
-    records: list[TraceRecord] = []
-    block_tokens = None
-    for k, f in enumerate(files):
-        try:
-            obj = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise TraceError(f"{f}: not an agent session file: {e}") from None
-        if not isinstance(obj, dict) or "requests" not in obj:
-            raise TraceError(f"{f}: not an agent session file (no `requests`)")
-        bt = obj.get("block_size", 64)
-        if block_tokens is None:
-            block_tokens = bt
-        elif bt != block_tokens:
-            raise TraceError(f"{f}: block_size {bt} differs from the other files' {block_tokens}")
-        scope = "global" if obj.get("hash_id_scope") == "global" else f"{k}:{obj.get('id') or f.stem}"
-        _agent_requests(obj, scope, k * offset_s, str(f), records)
-    records.sort(key=lambda r: r.timestamp_ms)
-    for line, rec in enumerate(records, 1):
-        rec.line = line
-    name = str(paths[0]) if len(paths) == 1 else f"{len(files)} agent sessions"
-    return Trace(name, AGENT, block_tokens, records)
-
-
-def is_agent_trace(path: str | Path) -> bool:
-    """A directory, or a .json file holding one JSON object with `requests` (not JSON lines)."""
-    p = Path(path)
-    if p.is_dir():
-        return True
-    if p.suffix != ".json" or not p.is_file():
-        return False
-    with open(p, "rb") as f:
-        head = f.read(1 << 16).lstrip()
-    return head.startswith(b"{") and b'"requests"' in head
 
 
 class _LineTooLong(str):

@@ -224,7 +224,7 @@ def _agent_file(path, ids_per_turn, sub=None):
 
 
 def test_agent_sessions_replay_directly(tmp_path):
-    from hicache.replay.trace import is_agent_trace, read_agent_sessions
+    from hicache.replay.agent import is_agent_trace, read_agent_sessions
 
     d = tmp_path / "agents"
     d.mkdir()

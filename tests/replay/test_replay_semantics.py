@@ -248,7 +248,7 @@ def test_the_lru_inclusive_preset_agrees_with_the_reference_on_agent_sessions(tm
     import random
 
     from hicache.cli import main
-    from hicache.replay.trace import read_agent_sessions
+    from hicache.replay.agent import read_agent_sessions
 
     rng = random.Random(5)
     sessions = tmp_path / "sessions"
