@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from controller.reuse import ADMIT_MODES
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+WritePolicyName = Literal["write_through", "write_through_selective", "write_back"]
+WRITE_POLICIES = get_args(WritePolicyName)
 
 
 @dataclass(frozen=True)
 class WritePolicy:
-    """When pages are copied down a tier (GPU -> host, host -> L3). These defaults are the server's
-    (`cache.write_policy` in the config takes them from here): every page reaches host memory, deferred while
-    the GPU pool has room to spare; pages reach the L3 when host memory evicts them."""
+    """When pages are copied down a tier (GPU -> host, host -> L3). It is also the config's
+    `cache.write_policy` (hicache/config.py), so these defaults are the server's: every page reaches host memory,
+    deferred while the GPU pool has room to spare; pages reach the L3 when host memory evicts them."""
 
-    device_to_host: str = "write_through"
-    host_to_disk: str = "write_back"
+    device_to_host: WritePolicyName = "write_through"
+    host_to_disk: WritePolicyName = "write_back"
     selective_hits: int = 2  # hits before write_through_selective copies a page down
     # device_to_host write_through only: while more than this share of the GPU pool is free, a new page's host
     # copy waits (it is started when free pages fall to this share, when the page is evicted, or when the engine
@@ -25,7 +27,7 @@ class WritePolicy:
     # host_to_disk: which pages the L3 (and the remote tier behind it) takes. "reuse": pages likely to be read
     # again (hit, continuing a hit, or computed twice: controller/reuse.py), so a workload without reuse costs the
     # disk nothing; "all": every page the write policy sends
-    l3_admit: str = "reuse"
+    l3_admit: Literal["reuse", "all"] = "reuse"
     # host_to_disk: queued L3 writes pin at most this share of the host pool; further writes wait, unpinned, for
     # their turn, so a disk slower than the stream of new pages never leaves GPU -> host copies without room
     l3_host_share: float = 0.125
@@ -33,15 +35,15 @@ class WritePolicy:
     def __post_init__(self) -> None:
         for name in ("device_to_host", "host_to_disk"):
             if getattr(self, name) not in WRITE_POLICIES:
-                raise ValueError(f"write policy {name}={getattr(self, name)!r}; choices: {list(WRITE_POLICIES)}")
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {list(WRITE_POLICIES)}")
         if not 0.0 <= self.defer_above_free <= 1.0:
-            raise ValueError(f"defer_above_free must be in [0, 1], got {self.defer_above_free}")
+            raise ValueError(f"defer_above_free: must be in [0, 1], got {self.defer_above_free}")
         if self.l3_admit not in ADMIT_MODES:
-            raise ValueError(f"write policy l3_admit={self.l3_admit!r}; choices: {list(ADMIT_MODES)}")
+            raise ValueError(f"l3_admit: {self.l3_admit!r} is not one of {list(ADMIT_MODES)}")
         if not 0.0 < self.l3_host_share <= 1.0:
-            raise ValueError(f"l3_host_share must be in (0, 1], got {self.l3_host_share}")
+            raise ValueError(f"l3_host_share: must be in (0, 1], got {self.l3_host_share}")
         if self.selective_hits < 1:
-            raise ValueError(f"selective_hits must be >= 1, got {self.selective_hits}")
+            raise ValueError(f"selective_hits: must be >= 1, got {self.selective_hits}")
 
     @classmethod
     def eager(cls, host_to_disk: str = "write_through") -> WritePolicy:

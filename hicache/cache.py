@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from controller import CostModel, L3Worker, TierController, WritePolicy, calibrate
+from controller import CostModel, L3Worker, TierController, calibrate
 from hicache.config import Config, ConfigError, ResolvedSizes, resolve_sizes
 from radix import RadixTree, namespace_fingerprint
 from tiers import DevicePool, HostPool, KVLayout, make_copier
@@ -58,12 +58,6 @@ def namespace_fields(model_id: str, revision: str, dtype: str, layout: KVLayout,
     if tp_size > 1:
         fields["tp_size"] = tp_size
     return fields
-
-
-def write_policy(cfg: Config) -> WritePolicy:
-    wp = cfg.cache.write_policy
-    return WritePolicy(wp.device_to_host, wp.host_to_disk, wp.selective_hits, wp.defer_above_free,
-                       wp.l3_admit, wp.l3_host_share)
 
 
 def cost_model(cfg: Config, layout: KVLayout, prefill_tokens_per_s: float | None = None,
@@ -223,7 +217,7 @@ def build_cache(
     copier, ports_l3, worker = wrap_ports(tiers) if wrap_ports is not None else (tiers.copier, l3, tiers.worker)
     sched = cfg.scheduler
     controller = TierController(
-        tree, device_pool, host_pool, ports_l3, copier, write_policy(cfg), cost, worker,
+        tree, device_pool, host_pool, ports_l3, copier, cfg.cache.write_policy, cost, worker,
         min(sizes.disk_pages + sizes.remote_pages, l3.capacity_pages) if l3 is not None else None,
         prefetch=cfg.cache.load_policy.prefetch,
         prefetch_host_share=cfg.cache.load_policy.prefetch_host_share,

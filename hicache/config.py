@@ -21,7 +21,6 @@ from controller.policy import WritePolicy
 
 DEFAULT_L3_GIB = 1.0
 DEFAULT_REMOTE_GIB = 4.0
-_WRITE_DEFAULTS = WritePolicy()  # the write policies' defaults have one home: controller.policy
 
 
 class ConfigError(ValueError):
@@ -103,23 +102,6 @@ class RemoteConfig:
 
 
 @dataclass(frozen=True)
-class WritePolicyConfig:
-    """controller.policy.WritePolicy as configured; its defaults are that class's."""
-
-    device_to_host: Literal["write_through", "write_through_selective", "write_back"] = _WRITE_DEFAULTS.device_to_host
-    host_to_disk: Literal["write_through", "write_through_selective", "write_back"] = _WRITE_DEFAULTS.host_to_disk
-    selective_hits: int = _WRITE_DEFAULTS.selective_hits  # hits before write_through_selective copies a page down
-    # write_through: while more than this share of the GPU pool is free, new pages' host copies wait (for the pool
-    # to fill, for their eviction, or for the engine to idle); 1.0 copies every page as soon as it is computed
-    defer_above_free: float = _WRITE_DEFAULTS.defer_above_free
-    # which pages the L3 / remote tier takes: "reuse", those likely to be read again (hit, continuing a hit, or
-    # computed twice: controller/reuse.py); "all", every page the write policy sends
-    l3_admit: Literal["reuse", "all"] = _WRITE_DEFAULTS.l3_admit
-    # queued L3 writes pin at most this share of the host pool; the rest wait, unpinned, for their turn
-    l3_host_share: float = _WRITE_DEFAULTS.l3_host_share
-
-
-@dataclass(frozen=True)
 class LoadPolicyConfig:
     """Whether to load cached pages or recompute them, from costs measured at startup or given here."""
 
@@ -151,7 +133,7 @@ class CacheConfig:
     host: TierSize = field(default_factory=lambda: TierSize(size_gib=1.0))
     l3: L3Config = field(default_factory=L3Config)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
-    write_policy: WritePolicyConfig = field(default_factory=WritePolicyConfig)
+    write_policy: WritePolicy = field(default_factory=WritePolicy)  # controller.policy: one class, one set of defaults
     load_policy: LoadPolicyConfig = field(default_factory=LoadPolicyConfig)
 
 
@@ -264,7 +246,16 @@ def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
         if k not in names:
             raise ConfigError(f"{source}: unknown key {key!r} (allowed: {', '.join(sorted(names))})")
         kwargs[k] = _convert(v, hints[k], key, source)
-    return cls(**kwargs)
+    return _construct(cls, kwargs, prefix, source)
+
+
+def _construct(cls: type, kwargs: dict[str, Any], prefix: str, source: str, base: Any = None) -> Any:
+    """cls(**kwargs) (or `base` with kwargs replaced): a ValueError of the class's own checks (e.g. WritePolicy's,
+    "defer_above_free: must be ...") becomes a ConfigError naming the key's path and the source."""
+    try:
+        return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {prefix + '.' if prefix else ''}{e}") from None
 
 
 def _positive(value: float | int | None, key: str, source: str, allow_zero: bool = False) -> None:
@@ -314,10 +305,6 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
         if not c.remote.timeout_s > 0:
             raise ConfigError(f"{source}: cache.remote.timeout_s: must be > 0, got {c.remote.timeout_s}")
         _positive(c.remote.admission_hits, "cache.remote.admission_hits", source, allow_zero=True)
-    _positive(c.write_policy.selective_hits, "cache.write_policy.selective_hits", source)
-    if not 0.0 <= c.write_policy.defer_above_free <= 1.0:
-        raise ConfigError(f"{source}: cache.write_policy.defer_above_free: must be in [0, 1], "
-                          f"got {c.write_policy.defer_above_free}")
     for name in ("prefill_tokens_per_s", "host_to_device_gbps", "disk_to_device_gbps"):
         _positive(getattr(c.load_policy, name), f"cache.load_policy.{name}", source)
     _positive(c.load_policy.attention_ns_per_pair, "cache.load_policy.attention_ns_per_pair", source, allow_zero=True)
@@ -393,9 +380,10 @@ def _replace_path(obj: Any, parts: list[str], value: Any, key: str, source: str)
     names = {f.name for f in dataclasses.fields(obj)}
     if parts[0] not in names:
         raise ConfigError(f"{source}: unknown key {key!r}")
+    prefix = key.rsplit(".", len(parts))[0] if len(key.split(".")) > len(parts) else ""
     if len(parts) == 1:
         tp = typing.get_type_hints(type(obj))[parts[0]]
-        return dataclasses.replace(obj, **{parts[0]: _convert(value, tp, key, source)})
+        return _construct(type(obj), {parts[0]: _convert(value, tp, key, source)}, prefix, source, obj)
     child = getattr(obj, parts[0])
     return dataclasses.replace(obj, **{parts[0]: _replace_path(child, parts[1:], value, key, source)})
 

@@ -18,13 +18,14 @@ def test_defaults_and_shipped_configs_are_valid():
     assert not from_dict({"cache": {"load_policy": {"overlap": False}}}).cache.load_policy.overlap
 
 
-def test_the_l3_write_rule_and_host_shares_reach_the_controller():
-    from hicache.cache import write_policy
+def test_the_config_write_policy_is_the_controllers():
+    from controller import WritePolicy
 
-    assert write_policy(from_dict({})).l3_admit == "reuse"
+    assert from_dict({}).cache.write_policy == WritePolicy() and WritePolicy().l3_admit == "reuse"
     cfg = from_dict({"cache": {"write_policy": {"l3_admit": "all", "l3_host_share": 0.25},
                                "load_policy": {"prefetch_host_share": 0.75}}})
-    assert write_policy(cfg).l3_admit == "all" and write_policy(cfg).l3_host_share == 0.25
+    wp = cfg.cache.write_policy
+    assert isinstance(wp, WritePolicy) and wp.l3_admit == "all" and wp.l3_host_share == 0.25
     assert cfg.cache.load_policy.prefetch_host_share == 0.75
 
 
@@ -181,3 +182,12 @@ def test_serve_checks_the_port_and_the_l3_path_before_loading_the_model(tmp_path
                  "--l3-path", str(afile)])  # the port is free again
     err = capsys.readouterr().err
     assert code == 2 and "L3 store error" in err and "not a directory" in err
+
+
+def test_a_bad_write_policy_on_the_command_line_names_the_key():
+    from hicache.config import Config, ConfigError, override
+
+    with pytest.raises(ConfigError, match=r"command line: cache.write_policy.l3_host_share: must be in \(0, 1\]"):
+        override(Config(), {"cache.write_policy.l3_host_share": 0.0})
+    with pytest.raises(ConfigError, match=r"cache.write_policy.host_to_disk: 'later' is not one of"):
+        override(Config(), {"cache.write_policy.host_to_disk": "later"})
