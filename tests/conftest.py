@@ -20,6 +20,16 @@ import torch  # noqa: E402
 from tiers import KVLayout  # noqa: E402
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need a CUDA device: skipped, saying so, where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def layout() -> KVLayout:
     return KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, itemsize=4)

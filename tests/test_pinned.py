@@ -54,7 +54,6 @@ def test_pinned_empty_falls_back_to_torch_when_registration_is_refused(monkeypat
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_registered_memory_is_pinned_and_copies_both_ways():
     t = pinned.pinned_empty((64, 1024), torch.bfloat16)
     assert t.is_pinned() and t[3:9].is_pinned()
@@ -115,7 +114,6 @@ def test_a_refused_registration_of_shared_memory_raises_instead_of_falling_back(
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shared_host_pool_is_pinned_and_copies_both_ways():
     from tiers import HostPool, KVLayout
 

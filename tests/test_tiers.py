@@ -66,7 +66,6 @@ def test_runs_coalesce_consecutive_pages():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["dma", "zero_copy"])
 def test_cuda_copier_matches_reference(mode):
     from tiers.cuda_copy import CudaPageCopier
@@ -101,7 +100,6 @@ def test_freed_runs_are_handed_out_again_as_ascending_runs():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copier_puts_nothing_on_the_compute_stream():
     """A second load's page-id upload must not queue on the compute stream behind the first load's copies
     (copy engines serve copies in submission order): compute work queued after both loads runs at once."""
@@ -215,7 +213,6 @@ def _long_compute_chain() -> torch.cuda.Event:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_load_after_a_fence_does_not_wait_for_later_compute():
     """A load started with `after=fence()` waits for the compute queued before the fence only: queued behind a
     long matmul chain it still lands first, with the right bytes. Without a fence it waits for the chain."""
@@ -234,7 +231,6 @@ def test_cuda_load_after_a_fence_does_not_wait_for_later_compute():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_backup_after_a_fence_does_not_wait_for_later_compute():
     """A backup started with `after=fence()` saves pages written before the fence without waiting for compute
     queued after it (admit_during_forward's backups run while a forward does), and saves the right bytes."""

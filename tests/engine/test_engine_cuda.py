@@ -13,7 +13,6 @@ from hicache.engine import load_model
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 PAGE_SIZE = 16
 

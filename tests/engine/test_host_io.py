@@ -8,7 +8,7 @@ import torch
 
 from hicache.engine.host_io import HostStaging
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("mapped", [True, False])

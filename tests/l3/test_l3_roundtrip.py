@@ -93,8 +93,6 @@ def test_auto_picks_posix_without_cuda(open_store, tmp_path):
 
 @pytest.mark.cuda
 def test_kvikio_round_trip_into_gpu_memory(tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     pytest.importorskip("kvikio")
     keys = [key(i) for i in range(8)]
     pages = [content(k, 8192) for k in keys]
@@ -114,8 +112,6 @@ def test_kvikio_round_trip_into_gpu_memory(tmp_path):
 @pytest.mark.parametrize("backend", ["posix", "kvikio"])
 def test_round_trip_through_the_registered_host_pool(tmp_path, backend):
     """The host pool's memory (an mmap registered with CUDA, tiers/pinned.py) as the L3 store's buffers."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     if backend == "kvikio":
         pytest.importorskip("kvikio")
     from tiers.pinned import pinned_empty
