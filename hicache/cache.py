@@ -169,7 +169,7 @@ def build_tiers(cfg: Config, layout: KVLayout, dtype: str, device: torch.device 
     if persistent:
         c = cfg.cache.l3
         slot_bytes = -(-layout.page_bytes // 4096) * 4096  # slots are 4 KiB aligned
-        # small pages need many per sync: one fdatasync + LMDB commit per 32 x 64 KiB ran at 0.1 of raw
+        # small pages need many per sync: one fdatasync + LMDB commit per 32 small pages ran far below raw
         sync_pages = c.sync_batch_pages or max(32, SYNC_BATCH_BYTES // layout.page_bytes)
         store_args = dict(path=l3_directory(cfg, int(fields.get("tp_rank", 0))),
                           capacity_bytes=sizes.disk_pages * slot_bytes, page_bytes=layout.page_bytes,

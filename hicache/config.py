@@ -48,9 +48,8 @@ class ModelConfig:
     # instead of PyTorch's two and three; false: PyTorch's ops
     fused_elementwise: bool = True
     # prefill chunks over a cached prefix: "triton" reads the context in place through the page table
-    # (hicache.engine.kernels.prefill; CUDA with Triton, else sdpa), 0.68-0.69x of sdpa's time at 4k-8k context on
-    # the H200 (bench/RESULTS.md, 'Prefix attention kernel'); "sdpa" gathers the context and runs PyTorch's flash
-    # attention
+    # (hicache.engine.kernels.prefill; CUDA with Triton, else sdpa), faster than sdpa at long context
+    # (bench/RESULTS.md, 'Prefix attention kernel'); "sdpa" gathers the context and runs PyTorch's flash attention
     prefill_attention: Literal["sdpa", "triton"] = "triton"
     # decode steps of up to this many sequences replay a CUDA graph captured at startup (CUDA, decode
     # kernel on); 0 disables. Capped at scheduler.max_running_requests
@@ -149,8 +148,8 @@ class SchedulerConfig:
     default_max_tokens: int = 256
     # start the host -> GPU page loads asked for while scheduling a step only once the step's forward is queued,
     # so the engine thread's time starting them (most of its scheduling time with a host tier) overlaps the GPU's
-    # work instead of delaying it (tiers.copy.LaunchLater). On the H200 the multi-turn host arm ran 7% faster
-    # (bench/RESULTS.md, 'Multi-turn TTFT, host tier vs GPU only')
+    # work instead of delaying it (tiers.copy.LaunchLater; bench/RESULTS.md, 'Multi-turn TTFT, host tier vs GPU
+    # only')
     launch_loads_after_forward: bool = True
     # admit and prefetch for the next step while this step's forward runs on the GPU, rather than between steps
     # while the GPU waits (Scheduler.admit_ahead). Implies launch_loads_after_forward: the loads it asks for are

@@ -1,8 +1,8 @@
 """Python's garbage collector in a long-running server: freeze what startup built, time every collection.
 
 A full (generation 2) collection walks every tracked object in the process, and the collector holds the GIL while it
-does, so the engine thread stops with it. On the H200 one such collection took 179 ms in the middle of a host + L3
-multi-turn run (bench/RESULTS.md, 'Cold start, power cap and GC pauses'), most of it spent on objects that live as
+does, so the engine thread stops with it. On the H200 one such collection stopped a multi-turn run for a long step
+(bench/RESULTS.md, 'Cold start, power cap and GC pauses'), most of it spent on objects that live as
 long as the process: modules, the model, the server. `freeze_startup` moves those out of the collector's reach once
 startup is done (`gc.freeze`), so later collections walk only what serving allocates. `GcTimer` adds up how long
 collections take, for the step log and for /metrics.

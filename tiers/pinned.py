@@ -1,7 +1,7 @@
 """Pinned host memory for the host pool, allocated fast.
 
 `torch.empty(..., pin_memory=True)` lets the CUDA driver fault in and pin the buffer 4 KiB page by page on one
-thread: 2.3 GB/s on the H200 machine, 28-36 s for a 48 GiB host tier at every start (bench/RESULTS.md, 'Host pool
+thread, which took tens of seconds for a large host tier at every start (bench/RESULTS.md, 'Host pool
 pinning'). Here the buffer is an anonymous mapping advised to use transparent huge pages (2 MiB: 512x fewer faults
 where the kernel allows them), its pages are faulted in by several threads at once (torch zeroes each slice with the
 GIL released), and the resident memory is then registered with the driver in one `cudaHostRegister` call. Copies from

@@ -27,9 +27,9 @@ IOV_MAX = 1024
 # that a disk still sees big requests (several threads keep it busy), small enough to stay in a core's L2.
 FUSED_PIECE_BYTES = 1 << 20
 # A slab in memory (tmpfs) is copied to and from a mapping of it, hashed in pieces of this size: a quarter of a
-# 1 MiB L2, so the piece just copied is still there when it is hashed. On the 2-core box, against pread of whole
-# 8 MiB pages with no hash (raw), 1 MiB pieces by pread + hash read at 0.6 of raw, mapped 256 KiB pieces at 1.1-1.2;
-# writes through the mapping ran at 1.6-2.2x pwrite of whole pages (tmpfs serialises pwrite on the file's lock).
+# 1 MiB L2, so the piece just copied is still there when it is hashed: mapped, hashed reads then beat pread of whole
+# pages with no hash, and writes through the mapping beat pwrite (tmpfs serialises pwrite on the file's lock;
+# bench/RESULTS.md, 'L3 store vs raw O_DIRECT').
 MAPPED_PIECE_BYTES = 256 << 10
 
 
@@ -427,8 +427,7 @@ def kvikio_usable() -> tuple[bool, str]:
 def kvikio_compat_mode() -> bool:
     """Whether kvikio would run in its compatibility mode (POSIX I/O through its own bounce buffers, no
     GPUDirect Storage driver). True where that cannot be told. There it brings nothing over the POSIX path for
-    host pages and was slower: on tmpfs on the H200 machine it read at 0.17 of a raw read, the POSIX path at
-    memory speed (bench/RESULTS.md, 'L3 store vs raw O_DIRECT')."""
+    host pages and was much slower on tmpfs than the POSIX path (bench/RESULTS.md, 'L3 store vs raw O_DIRECT')."""
     try:
         import kvikio.defaults
     except Exception:  # noqa: BLE001 - no kvikio, or its libraries fail to load

@@ -2,9 +2,9 @@
 
 The Python loop (tiers/l3/io.py, `_read_fused`) makes 16 calls per 8 MiB page (a pread and a hash update per
 1 MiB piece), each releasing and taking the interpreter lock again. With several I/O threads that lock is what
-they wait for: on the 2-core box reads reached 0.65-0.82 of a raw read, and on the H200 machine 0.64, falling to
-0.36 with 16 threads. Here a page is one ctypes call that holds no lock while it runs; the same loop in C read at
-0.90-0.97 of raw on the 2-core box.
+they wait for, and reads fell well short of a raw read, the more so with more threads. Here a page is one ctypes
+call that holds no lock while it runs, and reads come close to raw (bench/RESULTS.md, 'L3 store vs raw
+O_DIRECT').
 
 The C source (tiers/l3/native_io.c) is built at install (setup.py, tiers/native.py). It needs nothing but libc:
 the hash functions are libxxhash's, found by tiers/l3/format.py and handed to it as pointers, so the digests are
@@ -92,8 +92,8 @@ class MappedFile:
     hashing the page in the same C call (no system call per piece, the interpreter lock released). The file's own
     size is checked on every call, so a slab cut short gives an error, never SIGBUS.
 
-    A fresh mapping takes a fault per 4 KiB page on first touch (on the 2-core box first-touch copies ran at 1.4-5.7
-    GB/s against 11-17 once faulted). `populate` faults it in ahead, from the start: [0, `populated`) is done, and
+    A fresh mapping takes a fault per 4 KiB page on first touch, which makes first-touch copies several times
+    slower than copies once faulted. `populate` faults it in ahead, from the start: [0, `populated`) is done, and
     callers copy through the mapping only below that mark."""
 
     def __init__(self, io: NativePageIO, address: int, length: int, fd: int, writable: bool) -> None:

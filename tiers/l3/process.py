@@ -1,7 +1,7 @@
 """The L3 store in a process of its own, reading and writing the host pool in place through shared memory.
 
-Why a process: threads of one interpreter share its lock. Beside a busy engine thread the L3's I/O threads ran at
-0.27 of their speed at Python's 5 ms switch interval, and a shorter interval taxed the engine thread 51% instead
+Why a process: threads of one interpreter share its lock. Beside a busy engine thread the L3's I/O threads ran at a
+fraction of their speed at Python's 5 ms switch interval, and a shorter interval taxed the engine thread instead
 (bench/RESULTS.md, 'L3 beside a busy engine thread'). A process has a lock of its own: its threads do the I/O, the
 checksums and the index commits, and the engine thread only exchanges small messages with it.
 

@@ -6,9 +6,9 @@ the page table instead: one program per (block of new tokens, query head or whol
 gathered through the page table per step of an online softmax, the causal mask applied only on the steps that reach
 the block's own positions.
 
-On by default (`model.prefill_attention: triton`): on the H200, for 1,024 new tokens over 4k-8k cached tokens,
-its TMA launch shape (Hopper, 64-token pages) takes 0.68-0.69x of the gather + SDPA path's time and the plain shape
-0.70-0.77x (bench/RESULTS.md, 'Prefix attention kernel'). Inputs are device tensors; nothing here syncs with the
+On by default (`model.prefill_attention: triton`): on the H200, over thousands of cached tokens, both its TMA
+launch shape (Hopper, 64-token pages) and the plain one take well under the gather + SDPA path's time
+(bench/RESULTS.md, 'Prefix attention kernel'). Inputs are device tensors; nothing here syncs with the
 host. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
 """
 
@@ -144,11 +144,9 @@ class PrefixKernelConfig:
     tma: bool = False
 
 
-# the H200 sweep's fastest (`bench/gpu/prefix_attention_bench.py --sweep`, bench/RESULTS.md, 'Prefix attention
-# kernel'), 1,024 new tokens:
-# - without TMA (any GPU Triton supports): 0.267 / 0.436 ms over 4k / 8k keys (0.70x / 0.77x of SDPA in the same
-#   sweep; 335 TFLOPS at 8k); GQA packing made no difference;
-# - with TMA (Hopper and later, 64-token pages: one page a step): 0.258 / 0.388 ms (377 TFLOPS at 8k).
+# the fastest shapes of the H200 sweep (`bench/gpu/prefix_attention_bench.py --sweep`; bench/RESULTS.md, 'Prefix
+# attention kernel'): without TMA for any GPU Triton supports (GQA packing made no difference), with TMA for Hopper
+# and later with 64-token pages (one page a step).
 CUDA_CONFIG = PrefixKernelConfig(block_m=64, block_n=64, pack_gqa=False, num_warps=4, num_stages=2)
 TMA_CONFIG = PrefixKernelConfig(block_m=128, block_n=64, pack_gqa=False, num_warps=4, num_stages=2, tma=True)
 INTERPRETER_CONFIG = PrefixKernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
