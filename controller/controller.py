@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from controller.commits import Commits
 from controller.cost import CostModel
@@ -39,7 +39,7 @@ from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import Transfers
 from controller.writes import NoWrites, Writes, tier_writes
 from radix import DEFAULT_NAMESPACE, DEVICE, DISK, HOST, CacheNamespace, MatchResult, RadixTree
-from tiers.copy import LaunchLater
+from tiers.copy import FencedCopier, LaunchLater
 from tiers.l3.worker import L3Worker
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class TierController:
         self.l3: L3 = l3 if l3 is not None else NO_L3
         copier = copier if copier is not None else InstantCopier()
         self.launch_later = launch_later and not isinstance(copier, InstantCopier)
-        self.copier: Any = LaunchLater(copier) if self.launch_later else copier
+        # a copier launched later is one of the tiers' fenced copiers (tiers.copy.FencedCopier)
+        self.copier: Any = LaunchLater(cast(FencedCopier, copier)) if self.launch_later else copier
         self.worker: Worker = l3_worker if l3_worker is not None else L3Worker(l3) if l3 is not None else NO_WORKER
         self.page_size = tree.page_size
         self.page_bytes = device.page_bytes

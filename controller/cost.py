@@ -65,8 +65,8 @@ class CostModel:
             return True
         model = self
         if bytes_per_s:
-            field = "host_to_device_bytes_per_s" if tier == HOST else "disk_to_device_bytes_per_s"
-            model = dataclasses.replace(self, **{field: bytes_per_s})
+            model = (dataclasses.replace(self, host_to_device_bytes_per_s=bytes_per_s) if tier == HOST
+                     else dataclasses.replace(self, disk_to_device_bytes_per_s=bytes_per_s))
         if not model.load_seconds(tier) or not self.prefill_tokens_per_s:
             return True
         runs = [(tier, max(1, depth_pages))]
@@ -88,6 +88,7 @@ class CostModel:
     def prefix_compute_seconds(self, tokens: int) -> float:
         """Seconds to compute a prompt's first `tokens` tokens: tokens / speed + their (token, earlier token) pairs
         x the attention price. Needs a known prefill speed."""
+        assert self.prefill_tokens_per_s, "compute seconds need a known prefill speed"
         return tokens / self.prefill_tokens_per_s + self.attention_seconds_per_pair * tokens * (tokens - 1) / 2
 
     def prefill_seconds(self, start: int, end: int) -> float:
@@ -150,6 +151,7 @@ class CostModel:
                     key = (t, (cand - k) + (bounds[-1] - n), LoadPlan(k, cand, n))  # ties: compute less
                     if best is None or key[:2] < best[:2]:
                         best = key
+        assert best is not None
         k, s, n = best[2]
         if s == k:
             return LoadPlan(n, n, n)

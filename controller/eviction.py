@@ -75,6 +75,7 @@ class Eviction:
         share (the room is then not made, and the caller drops what it would have cached)."""
         freed = 0
         groups, strict = self.tree.quota_victims(tier, group, incoming)
+        skip: Callable[[TreeNode], bool] | None
         if tier == HOST:
             skip = lambda node: node is protect or (node.lock_ref > 0 and not self.transfers.ready(node))  # noqa: E731
         else:
@@ -183,7 +184,7 @@ class Eviction:
         census["free"] = self.host.allocator.free_pages
         census["landing"] = sum(len(pages) for _, pages in self.landing)
         t = self.transfers
-        census["loading"] = sum(len(t.disk_load(node).host_pages) for node in t.loading.values())
+        census["loading"] = sum(len(t.reading(node).host_pages) for node in t.loading.values())
         for node in self.tree.nodes():
             if not node.on_host:
                 continue

@@ -117,7 +117,8 @@ class Loads:
         # where the bytes come from: prefetched pages count as disk hits
         tiers = [DEVICE if n.on_device else HOST if n.on_host and not self.transfers.prefetched(n) else DISK
                  for n in nodes]
-        ticket = LoadTicket(self.transfers, nodes[-1] if nodes else m.base, m.num_pages,
+        base = m.base if m.base is not None else self.tree.root
+        ticket = LoadTicket(self.transfers, nodes[-1] if nodes else base, m.num_pages,
                             gap=(k, s) if k < s else None)
         self.tree.lock(ticket.node)
         pos = 0
@@ -130,7 +131,7 @@ class Loads:
                 if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
                     ticket.gap = None
                     i = min(i, len(ticket.part(0, k)))
-                self._truncate(ticket, nodes[i - 1] if i else m.base)
+                self._truncate(ticket, nodes[i - 1] if i else base)
                 nodes = nodes[:i]
                 break
             pos += node.num_pages
@@ -228,6 +229,7 @@ class Loads:
         prefetch = self.transfers.disk_load(node)
         if prefetch is None:
             self.transfers.clear(node)  # any earlier transfer finished with the device copy it filled
+        dev: list[int] | None
         if len(spare) >= n:
             dev = spare[:n]
             del spare[:n]
@@ -303,7 +305,8 @@ class Loads:
         decision with disk pages priced as host pages, since a read started now travels while the request
         queues. Load mode "never" reads nothing; "auto" reads what loading from host beats recomputing."""
         retry = hold is not None
-        hold = hold if retry else PrefetchHold()
+        if hold is None:
+            hold = PrefetchHold()
         hold.short = False
         if not self.prefetch_enabled:
             return hold
@@ -392,7 +395,7 @@ class Loads:
         failed verification, its nodes are marked failed and removed once nobody holds them."""
         node: TreeNode = c.token
         self.transfers.loading.pop(node.id, None)
-        load = self.transfers.disk_load(node)
+        load = self.transfers.reading(node)
         self.reading -= len(load.host_pages)
         if load.for_request:
             self.request_reads -= len(load.host_pages)
@@ -456,4 +459,4 @@ class Loads:
 
     def loading_host_pages(self) -> Sequence[int]:
         """Host pages that reads in flight are filling (owned by nobody in the tree yet)."""
-        return [p for node in self.transfers.loading.values() for p in self.transfers.disk_load(node).host_pages]
+        return [p for node in self.transfers.loading.values() for p in self.transfers.reading(node).host_pages]

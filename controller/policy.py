@@ -46,7 +46,7 @@ class WritePolicy:
             raise ValueError(f"selective_hits: must be >= 1, got {self.selective_hits}")
 
     @classmethod
-    def eager(cls, host_to_disk: str = "write_through") -> WritePolicy:
+    def eager(cls, host_to_disk: WritePolicyName = "write_through") -> WritePolicy:
         """Every page copied down as soon as it is computed: write-through on both tiers, nothing deferred, every
         page admitted to the L3, and no cap on the host pages queued writes pin."""
         return cls("write_through", host_to_disk, defer_above_free=1.0, l3_admit="all", l3_host_share=1.0)

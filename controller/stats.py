@@ -19,13 +19,13 @@ class CacheStats:
     """Monotonic counters; `snapshot()` gives a plain dict for metrics and tests."""
 
     prompt_tokens: int = 0
-    hit_tokens: Counter = field(default_factory=Counter)  # tier -> prompt tokens served from it
+    hit_tokens: Counter[str] = field(default_factory=Counter)  # tier -> prompt tokens served from it
     recomputed_tokens: int = 0  # cached tokens recomputed because loading them was dearer
-    pages_promoted: Counter = field(default_factory=Counter)  # (src, dst) -> pages
-    pages_demoted: Counter = field(default_factory=Counter)  # (src, dst) -> pages
-    bytes_moved: Counter = field(default_factory=Counter)  # (src, dst) -> bytes
-    evictions: Counter = field(default_factory=Counter)  # tier -> pages dropped from that tier
-    drops: Counter = field(default_factory=Counter)  # reason -> pages not backed up / not loaded
+    pages_promoted: Counter[tuple[str, str]] = field(default_factory=Counter)  # (src, dst) -> pages
+    pages_demoted: Counter[tuple[str, str]] = field(default_factory=Counter)  # (src, dst) -> pages
+    bytes_moved: Counter[tuple[str, str]] = field(default_factory=Counter)  # (src, dst) -> bytes
+    evictions: Counter[str] = field(default_factory=Counter)  # tier -> pages dropped from that tier
+    drops: Counter[str] = field(default_factory=Counter)  # reason -> pages not backed up / not loaded
     load_failures: int = 0  # L3 reads that missed or failed verification
     prefetched_pages: int = 0  # L3 -> host reads started for queued requests
     gave_up_reads: int = 0  # requests that stopped waiting for disk reads at their deadline and computed instead

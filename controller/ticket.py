@@ -51,6 +51,7 @@ class LoadTicket:
         """The root of the namespace the prefix is in (`node` itself where nothing is cached)."""
         node = self.node
         while not node.base:
+            assert node.parent is not None
             node = node.parent
         return node
 
@@ -61,6 +62,7 @@ class LoadTicket:
         node = self.node
         while not node.base:
             path.append(node)
+            assert node.parent is not None
             node = node.parent
         path.reverse()
         return path

@@ -105,6 +105,13 @@ class Transfers:
         t = self._of.get(node)
         return t if isinstance(t, DiskLoad) else None
 
+    def reading(self, node: TreeNode) -> DiskLoad:
+        """The disk read of a node known to be reading (one of `loading`); ValueError names it where it is not."""
+        t = self._of.get(node)
+        if not isinstance(t, DiskLoad):
+            raise ValueError(f"{node} has no disk read in flight")
+        return t
+
     def failed(self, node: TreeNode) -> bool:
         """Whether the node's load failed (a ticket holding it must give it up)."""
         return self._of.get(node) is FAILED

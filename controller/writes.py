@@ -76,6 +76,7 @@ class TierWrites:
     """When one tier's pages are copied to the tier below (see the module doc). The base copies never."""
 
     defers = False  # commit-time copies may wait for memory pressure (DeferredWriteThrough)
+    defer_above_free = 1.0  # while more than this share of the GPU pool is free, they wait (see DeferredWriteThrough)
     counts_hits = False  # a hit is reported to the L3's admission rule before the copy is retried
 
     def on_commit(self, node: TreeNode) -> bool:
@@ -262,8 +263,8 @@ class Writes:
         copied = 0
         while self.deferred and (limit is None or copied < limit):
             chain = []
-            walk = self.deferred.popleft()
-            while not walk.removed and (not walk.on_device or not walk.on_host):
+            walk: TreeNode | None = self.deferred.popleft()
+            while walk is not None and not walk.removed and (not walk.on_device or not walk.on_host):
                 if walk.on_device:
                     chain.append(walk)
                 walk = walk.parent
@@ -431,9 +432,10 @@ class Writes:
             handle.wait()
         pages = page_buffers(self.host, node.host_pages)
         if bounce:
-            pages = self.worker.stage(pages)  # copies the write owns; None: no room for them
-            if pages is None:
+            staged = self.worker.stage(pages)  # copies the write owns; None: no room for them
+            if staged is None:
                 return "l3_queue_full"
+            pages = staged
         before = handle.wait if handle is not None and not bounce else None
         if not self.worker.submit_write(node, node.keys, pages, before):
             return self.worker.refusal
@@ -454,7 +456,7 @@ class Writes:
         reasons = c.reasons or (None,) * len(c.results)
         for ok, reason in zip(c.results, reasons):
             if not ok:
-                self.stats.drops[WRITE_REFUSALS.get(reason, "l3_write_failed")] += 1
+                self.stats.drops[WRITE_REFUSALS.get(reason or "", "l3_write_failed")] += 1
 
     def apply(self, c: Completion) -> None:
         """A write completed: record its pages as on disk (or count the failure)."""
@@ -473,8 +475,8 @@ class Writes:
             self._count_refused(c)
             return
         # the node may have been split since: its upper parts are ancestors holding keys of this write
-        part = node
-        while not part.removed and not part.base and part.keys[0] in c.keys:
+        part: TreeNode | None = node
+        while part is not None and not part.removed and not part.base and part.keys[0] in c.keys:
             if not part.on_disk:
                 self.tree.set_location(part, DISK, list(part.keys))
             part = part.parent

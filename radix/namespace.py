@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 from radix.hashing import KEY_BYTES
-from radix.node import NamespaceRoot
+from radix.node import NamespaceRoot, TreeNode
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class NamespaceRoots:
         group `group`. Its key chains start from `namespace_seed`. Roots left empty are removed by `prune`."""
         if ns is None:
             return self.root
-        children: dict = self.root.children
+        children: dict[Any, TreeNode] = self.root.children
         node = children.get(ns)
         if node is None:
             if len(ns) != KEY_BYTES:
@@ -77,6 +78,7 @@ class NamespaceRoots:
             self._count += 1
         elif node.group != group:
             raise ValueError(f"namespace {ns.hex()[:8]} is in share group {node.group}, not {group}")
+        assert isinstance(node, NamespaceRoot)
         return node
 
     def prune(self, force: bool = False) -> int:
@@ -85,7 +87,7 @@ class NamespaceRoots:
         each time). Call it where no caller holds an unlocked root (the controller's step start)."""
         if not force and self._count <= 2 * self._kept + 64:
             return 0
-        children: dict = self.root.children
+        children: dict[Any, TreeNode] = self.root.children
         empty = [key for key, node in children.items()
                  if node.base and not node.children and node.lock_ref == 0 and node.pin_ref == 0]
         for key in empty:

@@ -38,7 +38,7 @@ class TreeNode:
 
     def __init__(self, parent: TreeNode | None, tokens: tuple[int, ...], keys: list[bytes]):
         self.parent = parent
-        self.group = parent.group if parent is not None else 0  # the share group of its namespace
+        self.group: int = parent.group if parent is not None else 0  # the share group of its namespace
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.tokens = tokens
         self.keys = keys  # chained content hash per page: the page's L3 key
@@ -59,20 +59,29 @@ class TreeNode:
         """Page ids of this node in `tier` (L3 keys for the disk tier), or None."""
         return self.loc[_TIER_INDEX[tier]]
 
-    @property
-    def device_pages(self) -> list[int] | None:
-        """GPU page ids, or None when the GPU holds no copy."""
-        return self.loc[0]
+    # the page ids of a tier the node is known to be in (check on_device / on_host / on_disk first): a ValueError
+    # names the node where it is not, rather than a None travelling on
 
     @property
-    def host_pages(self) -> list[int] | None:
-        """Host page ids, or None when host memory holds no copy."""
-        return self.loc[1]
+    def device_pages(self) -> list[int]:
+        """GPU page ids."""
+        return self._copy_in(0, "the GPU")
 
     @property
-    def disk_keys(self) -> list[bytes] | None:
-        """L3 keys, or None when the L3 holds no copy."""
-        return self.loc[2]
+    def host_pages(self) -> list[int]:
+        """Host page ids."""
+        return self._copy_in(1, "host memory")
+
+    @property
+    def disk_keys(self) -> list[bytes]:
+        """L3 keys."""
+        return self._copy_in(2, "the L3")
+
+    def _copy_in(self, ti: int, where: str) -> list[Any]:
+        ids = self.loc[ti]
+        if ids is None:
+            raise ValueError(f"{self} has no copy in {where}")
+        return ids
 
     @property
     def on_device(self) -> bool:
@@ -146,7 +155,8 @@ class MatchResult:
         """GPU page ids of the leading on-GPU part of the prefix."""
         out: list[int] = []
         for node, tier in self.segments:
-            if tier != DEVICE:
+            pages = node.loc[0]
+            if tier != DEVICE or pages is None:
                 break
-            out.extend(node.loc[0])
+            out.extend(pages)
         return out

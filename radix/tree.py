@@ -154,9 +154,10 @@ class RadixTree:
     def path_tokens(self, node: TreeNode) -> tuple[int, ...]:
         """All tokens from its namespace's root down to and including `node`."""
         parts = []
-        while not node.base:
-            parts.append(node.tokens)
-            node = node.parent
+        walk: TreeNode | None = node
+        while walk is not None and not walk.base:
+            parts.append(walk.tokens)
+            walk = walk.parent
         return tuple(itertools.chain.from_iterable(reversed(parts)))
 
     def last_key(self, node: TreeNode) -> bytes:
@@ -242,6 +243,7 @@ class RadixTree:
         child.tokens = child.tokens[k * ps :]
         child.keys = child.keys[k:]
         child.loc = [None if p is None else p[k:] for p in child.loc]
+        assert parent is not None
         parent.children[mid.tokens[:ps]] = mid
         mid.children[child.tokens[:ps]] = child
         child.parent = mid
@@ -265,6 +267,7 @@ class RadixTree:
         self.pages_in[ti] += len(pages)
         self.order.group_pages[ti][node.group] += len(pages)
         parent = node.parent
+        assert parent is not None
         if not parent.base:
             parent.tier_children[ti] += 1
             self._leaves[ti].discard(parent)
@@ -301,11 +304,13 @@ class RadixTree:
 
     def _unset_loc(self, node: TreeNode, ti: int) -> None:
         pages = node.loc[ti]
+        assert pages is not None
         node.loc[ti] = None
         self.pages_in[ti] -= len(pages)
         self.order.group_pages[ti][node.group] -= len(pages)
         self._leaves[ti].discard(node)
         parent = node.parent
+        assert parent is not None
         if not parent.base:
             parent.tier_children[ti] -= 1
             if parent.tier_children[ti] == 0 and parent.loc[ti] is not None:
@@ -341,6 +346,7 @@ class RadixTree:
 
     def _detach(self, node: TreeNode) -> list[TreeNode]:
         """Remove `node` (in no tier) and its subtree; returns the removed descendants."""
+        assert node.parent is not None
         del node.parent.children[node.tokens[: self.page_size]]
         node.parent = None
         removed: list[TreeNode] = []
@@ -432,35 +438,39 @@ class RadixTree:
 
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction (from host memory only while not on the GPU)."""
-        while node is not None:
-            node.lock_ref += 1
-            node = node.parent
+        walk: TreeNode | None = node
+        while walk is not None:
+            walk.lock_ref += 1
+            walk = walk.parent
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`."""
-        while node is not None:
-            if node.lock_ref <= 0:
-                raise ValueError(f"unlock of unlocked {node}")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._refresh(node)
-            node = node.parent
+        walk: TreeNode | None = node
+        while walk is not None:
+            if walk.lock_ref <= 0:
+                raise ValueError(f"unlock of unlocked {walk}")
+            walk.lock_ref -= 1
+            if walk.lock_ref == 0:
+                self._refresh(walk)
+            walk = walk.parent
 
     def pin(self, node: TreeNode) -> None:
         """Keep `node` and its ancestors in host memory and in the tree (see the module doc)."""
-        while node is not None:
-            node.pin_ref += 1
-            node = node.parent
+        walk: TreeNode | None = node
+        while walk is not None:
+            walk.pin_ref += 1
+            walk = walk.parent
 
     def unpin(self, node: TreeNode) -> None:
         """Undo one `pin(node)`."""
-        while node is not None:
-            if node.pin_ref <= 0:
-                raise ValueError(f"unpin of unpinned {node}")
-            node.pin_ref -= 1
-            if node.pin_ref == 0 and node.lock_ref == 0:
-                self._refresh(node)
-            node = node.parent
+        walk: TreeNode | None = node
+        while walk is not None:
+            if walk.pin_ref <= 0:
+                raise ValueError(f"unpin of unpinned {walk}")
+            walk.pin_ref -= 1
+            if walk.pin_ref == 0 and walk.lock_ref == 0:
+                self._refresh(walk)
+            walk = walk.parent
 
     # ------------------------------------------------------------------ inspection
 
@@ -476,7 +486,7 @@ class RadixTree:
     def owned_pages(self, tier: str) -> list[Any]:
         """Every page id (or key) the tree records in `tier`."""
         ti = _TIER_INDEX[tier]
-        return [p for n in self.nodes() if n.loc[ti] is not None for p in n.loc[ti]]
+        return [p for n in self.nodes() for p in (n.loc[ti] or ())]
 
     def check_integrity(self) -> None:
         """Verify structure and bookkeeping; raises AssertionError naming the first violation (radix/integrity.py)."""

@@ -87,11 +87,11 @@ class Harness:
             first = len(tokens) // LAYOUT.page_size - node.num_pages
             for j in range(node.num_pages):
                 want = page_value(tokens, first + j)
-                if node.device_pages is not None:
+                if node.on_device:
                     assert torch.all(self.dev.kv[:, :, node.device_pages[j]] == want)
-                if node.host_pages is not None:
+                if node.on_host:
                     assert torch.all(self.host.buffer[node.host_pages[j]] == want)
-                if node.disk_keys is not None and isinstance(self.l3, MemoryL3):
+                if node.on_disk and isinstance(self.l3, MemoryL3):
                     raw = self.l3.data.get(node.disk_keys[j])
                     if raw is not None:  # the stand-in may have dropped it on its own cap
                         got = torch.frombuffer(bytearray(raw), dtype=torch.float32)
@@ -154,7 +154,7 @@ def test_deferred_write_through_waits_for_the_pool_to_fill():
     h = Harness(device=8, host=16, disk=32, policy=DEFER)
     h.run(seq(1, 2))  # 6 of 8 GPU pages free (> half): the copy waits
     assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 2
-    assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node.host_pages is None
+    assert not h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node.on_host
     h.run(seq(2, 2))  # 4 free after allocating (not above half): every waiting copy starts, then this one
     assert h.host.used_pages() == 4 and h.ctrl.stats.deferred_pages == 2
     assert h.ctrl.stats.pages_demoted[(DEVICE, HOST)] == 4 and h.l3.used_pages() == 4  # write-through to disk too
@@ -181,7 +181,7 @@ def test_deferred_write_through_copies_when_idle():
     h.ctrl.idle()  # the engine has nothing to run: every page still waiting is copied
     tree = h.ctrl.tree
     assert h.host.used_pages() == 3
-    assert all(node.host_pages is not None for node in tree.nodes() if node.device_pages is not None)
+    assert all(node.on_host for node in tree.nodes() if node.on_device)
     assert h.ctrl.flush_backups() == 0
     h.check_all_bytes()
 
@@ -523,16 +523,16 @@ def test_l3_write_in_flight_holds_host_pages_not_gpu_pages():
     try:
         h.run(seq(1, 3))  # 3 pages on GPU and host, their L3 write in flight
         node = h.ctrl.tree.match_prefix(seq(1, 3), touch=False).last_node
-        assert node.device_pages is not None and node.host_pages is not None and node.pin_ref == 1
+        assert node.on_device and node.on_host and node.pin_ref == 1
         gpu = h.ctrl.alloc_device(4)  # needs the written pages' GPU copies: they may go
-        assert gpu is not None and len(gpu) == 4 and node.device_pages is None
+        assert gpu is not None and len(gpu) == 4 and not node.on_device
         assert h.ctrl.eviction.allocate(HOST, 4) is None  # but their host pages are what the write reads
         h.ctrl.free_device(gpu)
         h.check_all_bytes()
         l3.gate.set()
         assert h.ctrl.worker.wait_idle(10)
         h.ctrl.poll()
-        assert node.pin_ref == 0 and l3.used_pages() == 3 and node.disk_keys is not None
+        assert node.pin_ref == 0 and l3.used_pages() == 3 and node.on_disk
         h.ctrl.check_integrity()
         assert h.run(seq(1, 3)) == {HOST: 3}
         h.check_all_bytes()
@@ -643,7 +643,7 @@ def test_prefetch_reads_disk_pages_into_host_and_holds_them():
     assert hold.started == 3 and hold.pages == 3
     h.ctrl.poll()
     node = h.ctrl.tree.match_prefix(seq(7, 3), touch=False).last_node
-    assert node.device_pages is None and node.host_pages is not None and node.pin_ref == 1
+    assert not node.on_device and node.on_host and node.pin_ref == 1
     assert h.dev.used_pages() == 0 and h.host.used_pages() == 3 and h.ctrl.stats.prefetched_pages == 3
     assert h.ctrl.tree.pop_evictable(HOST) is None  # held for the queued request
     again = h.ctrl.prefetch(seq(7, 3), max_pages=3)  # a second queued request: no new read, held twice
@@ -728,7 +728,7 @@ def test_request_claims_a_prefetch_in_flight_without_a_second_read():
         h.ctrl.release_prefetch(hold)
         assert ticket.num_pages == 3 and not ticket.ready() and ticket.hit_pages == {DISK: 3}
         node = ticket.node
-        assert node.device_pages is not None and node.pin_ref == 0 and node.lock_ref == 1
+        assert node.on_device and node.pin_ref == 0 and node.lock_ref == 1
         h.ctrl.check_integrity()
         gate.set()
         assert h.ctrl.wait_ticket(ticket, timeout=10) and not ticket.failed
@@ -736,7 +736,7 @@ def test_request_claims_a_prefetch_in_flight_without_a_second_read():
         for i, p in enumerate(ticket.device_pages()):
             assert torch.all(h.dev.kv[:, :, p] == page_value(tuple(seq(7, 3)), i))
         h.ctrl.release(ticket)
-        assert node.host_pages is not None
+        assert node.on_host
         h.ctrl.check_integrity()
         h.check_all_bytes()
     finally:

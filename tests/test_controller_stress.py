@@ -220,10 +220,10 @@ def _stress(rng: random.Random, host: HostPool, l3, worker, seed: int, host_to_d
         first = len(tokens) // ps - node.num_pages
         for j in range(node.num_pages):
             want = page_value(tuple(tokens), first + j)
-            if node.device_pages is not None:
+            if node.on_device:
                 assert torch.all(dev.kv[:, :, node.device_pages[j]] == want)
-            if node.host_pages is not None:
+            if node.on_host:
                 assert torch.all(host.buffer[node.host_pages[j]] == want)
-            if node.disk_keys is not None and isinstance(l3, MemoryL3) and node.disk_keys[j] in l3.data:
+            if node.on_disk and isinstance(l3, MemoryL3) and node.disk_keys[j] in l3.data:
                 got = torch.frombuffer(bytearray(l3.data[node.disk_keys[j]]), dtype=torch.float32)
                 assert torch.all(got == want)

@@ -112,8 +112,8 @@ def test_gap_ticket_computes_first_pages_while_last_load():
     assert ticket.hit_pages == {DEVICE: 2, DISK: 1}  # the gap counts as recomputed
     assert ctrl.stats.recomputed_tokens - before == 5 * PS
     gap_nodes = ticket.part(2, 7)
-    assert gap_nodes and all(n.device_pages is None and n.disk_keys is not None for n in gap_nodes)
-    assert all(n.device_pages is not None for n in ticket.part(7, 8))  # the tail has GPU pages, loading
+    assert gap_nodes and all(not n.on_device and n.on_disk for n in gap_nodes)
+    assert all(n.on_device for n in ticket.part(7, 8))  # the tail has GPU pages, loading
     with pytest.raises(ValueError, match="gap"):
         ticket.device_pages()
     ctrl.check_integrity()
@@ -126,7 +126,7 @@ def test_gap_ticket_computes_first_pages_while_last_load():
     with pytest.raises(ValueError, match="commit_gap"):
         ctrl.commit(ticket, tokens, gap)
     assert ctrl.commit_gap(ticket, tokens, gap) == gap  # adopted as the gap nodes' GPU copy
-    assert ticket.gap is None and all(n.device_pages is not None for n in ticket.nodes)
+    assert ticket.gap is None and all(n.on_device for n in ticket.nodes)
     ctrl.check_integrity()
     pages = ticket.device_pages()
     assert pages[2:7] == gap

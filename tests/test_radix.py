@@ -40,7 +40,7 @@ def test_insert_returns_duplicates_and_adopts_missing_tier():
     _, dups = tree.insert([1, 2, 3, 4], [100, 101], tier=HOST)
     assert dups == []
     m = tree.match_prefix([1, 2, 3, 4, 5, 6])
-    assert m.device_pages == 3 and [n.host_pages for n in m.nodes] == [[100, 101], None]
+    assert m.device_pages == 3 and [n.pages(HOST) for n in m.nodes] == [[100, 101], None]
     tree.check_integrity()
 
 

@@ -24,6 +24,19 @@ class TransferHandle(Protocol):
     def wait(self) -> None: ...
 
 
+class FencedCopier(Protocol):
+    """A page copier whose copies can wait for a fence of the compute queued earlier (`after`): `PageCopier` on the
+    CPU, `tiers.cuda_copy.CudaPageCopier` on CUDA streams."""
+
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int],
+                after: object = None) -> TransferHandle: ...
+
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int],
+                  after: object = None) -> TransferHandle: ...
+
+    def fence(self) -> object: ...
+
+
 class CompletedTransfer:
     """A transfer that finished before its handle was returned."""
 
@@ -44,7 +57,7 @@ class PageCopier:
         self.device_pool = device_pool
         self.host_pool = host_pool
 
-    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int], after: None = None) -> TransferHandle:
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int], after: object = None) -> TransferHandle:
         """Copy GPU pages to host pages (pairwise). `after`: as for `to_device`."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_host: {len(device_pages)} device pages vs {len(host_pages)} host pages")
@@ -52,7 +65,8 @@ class PageCopier:
             self.host_pool.write_pages(host_pages, self.device_pool.read_pages(device_pages))
         return COMPLETED
 
-    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int], after: None = None) -> TransferHandle:
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int],
+                  after: object = None) -> TransferHandle:
         """Copy host pages to GPU pages (pairwise). `after` (a `fence()`) is for the CUDA copier; here there is
         nothing in flight to wait for."""
         if len(device_pages) != len(host_pages):
@@ -61,7 +75,7 @@ class PageCopier:
             self.device_pool.write_pages(device_pages, self.host_pool.read_pages(host_pages))
         return COMPLETED
 
-    def fence(self) -> None:
+    def fence(self) -> object:
         """A mark of the compute work queued so far (`CudaPageCopier.fence`); nothing is queued on CPU."""
         return None
 
@@ -82,6 +96,7 @@ class HeldTransfer:
     def wait(self) -> None:
         if self.transfer is None:
             self.owner.launch()
+        assert self.transfer is not None  # launch() starts every held load
         self.transfer.wait()
 
     def stream_wait(self, stream: object = None) -> None:
@@ -109,7 +124,7 @@ class LaunchLater:
     by earlier steps. Engine thread only.
     """
 
-    def __init__(self, copier: PageCopier):
+    def __init__(self, copier: FencedCopier):
         self.copier = copier
         self._held: list[HeldTransfer] = []
         self._pinned: object = None  # pin_fence()'s fence, until launch()
@@ -153,7 +168,7 @@ class LaunchLater:
         return len(held)
 
 
-def make_copier(device_pool: DevicePool, host_pool: HostPool) -> PageCopier:
+def make_copier(device_pool: DevicePool, host_pool: HostPool) -> FencedCopier:
     """The fastest copier for these pools: the CUDA stream copier on GPU, the reference one on CPU."""
     import torch
 

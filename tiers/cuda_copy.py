@@ -34,7 +34,7 @@ class CudaTransfer:
         self.event = event
 
     def done(self) -> bool:
-        return self.event.query()
+        return bool(self.event.query())
 
     def wait(self) -> None:
         self.event.synchronize()
@@ -99,12 +99,13 @@ class CudaPageCopier:
             index = torch.as_tensor(list(pages), dtype=torch.long).pin_memory()
             return index.to(self.device_pool.device, non_blocking=True)
 
-    def _wait_for_compute(self, after: torch.cuda.Event | None) -> None:
-        """Order both copier streams after the compute queued so far, or only after `after` (a `fence()`)."""
+    def _wait_for_compute(self, after: object) -> None:
+        """Order both copier streams after the compute queued so far, or only after `after` (a `fence()`: an event)."""
         for stream in (self.copy_stream, self.shuffle_stream):
             if after is None:
                 stream.wait_stream(torch.cuda.current_stream())
             else:
+                assert isinstance(after, torch.cuda.Event)
                 stream.wait_event(after)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
@@ -117,7 +118,7 @@ class CudaPageCopier:
         return event
 
     def to_device(
-        self, host_pages: Sequence[int], device_pages: Sequence[int], after: torch.cuda.Event | None = None
+        self, host_pages: Sequence[int], device_pages: Sequence[int], after: object = None
     ) -> CudaTransfer:
         """Promote host pages into GPU pages; returns when the copies are queued.
 
@@ -132,6 +133,7 @@ class CudaPageCopier:
         self._keep(dev_index, host_index)
         if self.host_alias is not None:
             with torch.cuda.stream(self.copy_stream):
+                assert host_index is not None
                 pages = self.host_alias.index_select(0, host_index)  # kernel reads host memory over PCIe
                 kv.index_copy_(2, dev_index, pages.permute(1, 2, 0, 3, 4, 5))
                 done = torch.cuda.Event()
@@ -155,7 +157,7 @@ class CudaPageCopier:
         return CudaTransfer(done)
 
     def to_host(
-        self, device_pages: Sequence[int], host_pages: Sequence[int], after: torch.cuda.Event | None = None
+        self, device_pages: Sequence[int], host_pages: Sequence[int], after: object = None
     ) -> CudaTransfer:
         """Demote GPU pages into host pages; returns when the copies are queued.
 
@@ -172,6 +174,7 @@ class CudaPageCopier:
         if self.host_alias is not None:
             with torch.cuda.stream(self.copy_stream):
                 pages = kv.index_select(2, dev_index).permute(2, 0, 1, 3, 4, 5)
+                assert host_index is not None
                 self.host_alias.index_copy_(0, host_index, pages)  # kernel writes host memory over PCIe
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)

@@ -20,7 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tiers.l3.store import L3Store
+    from tiers.remote.base import RemoteStore
 
 
 def remote_store_class(url: str) -> type:
@@ -45,7 +49,8 @@ def remote_name(url: str) -> str:
     return str(ValkeyAddress.parse(url))
 
 
-def open_persistent(store_args: dict | None, remote_args: dict | None, remote_pages: int) -> Any:
+def open_persistent(store_args: dict[str, Any] | None, remote_args: dict[str, Any] | None,
+                    remote_pages: int) -> Any:
     """The disk tier's store: an `L3Store`, or a `PersistentTiers` where a remote store is configured."""
     local = None
     if store_args is not None:
@@ -66,7 +71,7 @@ def open_persistent(store_args: dict | None, remote_args: dict | None, remote_pa
 class PersistentTiers:
     """A local L3 store (or None) and a remote store behind it, with the L3 store's interface."""
 
-    def __init__(self, local: Any | None, remote: Any, remote_pages: int) -> None:
+    def __init__(self, local: L3Store | None, remote: RemoteStore, remote_pages: int) -> None:
         self.local, self.remote = local, remote
         self.remote_pages = remote_pages
         self.page_bytes = remote.page_bytes
@@ -94,7 +99,8 @@ class PersistentTiers:
 
     def used_pages(self) -> int:
         local = self.local.used_pages() if self.local is not None else 0
-        return local + min(self.remote_pages, self.remote.stats()["writes"])
+        written: int = self.remote.stats()["writes"]
+        return local + min(self.remote_pages, written)
 
     def note_hit(self, keys: Sequence[bytes]) -> None:
         if self.local is not None:
@@ -150,7 +156,7 @@ class PersistentTiers:
         if self.local is not None:
             self.local.check_integrity()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         remote = self.remote.stats()
         if self.local is not None:
             return {**self.local.stats(), "remote": remote}
@@ -168,5 +174,5 @@ class PersistentTiers:
     def __enter__(self) -> PersistentTiers:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

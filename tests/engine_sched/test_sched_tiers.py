@@ -316,7 +316,7 @@ def test_idle_engine_starts_deferred_host_copies(sharp, baseline):
     full = len(engine.tokenizer.encode(A)) // PAGE
     assert ctrl.host.used_pages() == 0 and ctrl.stats.deferred_pages >= full
     assert engine.step() == [] and not engine.has_unfinished()  # idle
-    nodes = [n for n in ctrl.tree.nodes() if n.device_pages is not None]
+    nodes = [n for n in ctrl.tree.nodes() if n.on_device]
     assert ctrl.host.used_pages() == sum(n.num_pages for n in nodes) >= full
     for node in nodes:  # the host copies hold the GPU pages' bytes (page-first vs layer-first layout)
         for dev_page, host_page in zip(node.device_pages, node.host_pages):

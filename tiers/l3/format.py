@@ -7,6 +7,7 @@ import ctypes.util
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -52,7 +53,7 @@ def slot_bytes_for(page_bytes: int) -> int:
 NATIVE_CHECKSUM_MIN_BYTES = 64 << 10  # below this, the Python binding's lower call cost wins
 
 
-def _libxxhash():
+def _libxxhash() -> Any:  # a ctypes.CDLL: its functions are attributes looked up at run time
     """The system's libxxhash through ctypes, or None where there is none. ctypes releases the interpreter lock for
     each call, so hashing a page (0.1-0.2 ms for 8 MiB) does not stop the engine thread; the `xxhash` binding holds
     the lock while it hashes. Both compute the same xxh3_64 (seed 0). $HICACHE_LIBXXHASH names the library where
@@ -65,7 +66,7 @@ def _libxxhash():
     if name is None:
         return None
     try:
-        lib = ctypes.CDLL(name)
+        lib: Any = ctypes.CDLL(name)
         lib.one_shot = getattr(lib, "XXH3_64bits_dispatch", None) or lib.XXH3_64bits
         lib.one_shot.restype = ctypes.c_uint64
         lib.one_shot.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
@@ -74,7 +75,7 @@ def _libxxhash():
     return lib
 
 
-def _stream_api(lib):
+def _stream_api(lib: Any) -> Any:
     """lib with the prototypes of its streaming xxh3_64 set, or None where it lacks them."""
     if lib is None:
         return None
@@ -98,18 +99,18 @@ _XXH3_64 = _LIBXXHASH.one_shot if _LIBXXHASH is not None else None
 class _NativeStream:
     """Streaming xxh3_64 through libxxhash (the same digest as one call over the concatenated bytes)."""
 
-    lib = None
+    lib: Any = None
 
     def __init__(self) -> None:
         self.state = self.lib.XXH3_createState()
         self.lib.XXH3_64bits_reset(self.state)
 
-    def update(self, buffer) -> None:
+    def update(self, buffer: Any) -> None:
         array = np.frombuffer(buffer, dtype=np.uint8)
         self.lib.update(self.state, array.ctypes.data, array.nbytes)
 
     def digest(self) -> int:
-        return self.lib.XXH3_64bits_digest(self.state)
+        return int(self.lib.XXH3_64bits_digest(self.state))
 
     def __del__(self) -> None:
         if getattr(self, "state", None):
@@ -119,12 +120,12 @@ class _NativeStream:
 _NativeStream.lib = _stream_api(_LIBXXHASH)
 
 
-def stream_library():
+def stream_library() -> Any:
     """libxxhash with its streaming xxh3_64 prototypes set (`update` the dispatched update), or None."""
     return _NativeStream.lib
 
 
-def checksum_stream():
+def checksum_stream() -> _NativeStream | _PythonStream:
     """An incremental xxh3_64: `update(buffer)` piece by piece, then `digest()`; equal to `checksum` of the whole.
     Hashing each piece of a page right after it was read (or right before it is written) reads it from the CPU's
     cache instead of a second pass over memory (tiers/l3/io.py)."""
@@ -137,7 +138,7 @@ class _PythonStream:
     def __init__(self) -> None:
         self.h = xxhash.xxh3_64()
 
-    def update(self, buffer) -> None:
+    def update(self, buffer: Any) -> None:
         self.h.update(buffer)
 
     def digest(self) -> int:
@@ -150,12 +151,12 @@ def bound_checksum(namespace: bytes, key: bytes, digest: int) -> int:
     return xxhash.xxh3_64_intdigest(namespace + key + digest.to_bytes(8, "little"))
 
 
-def checksum(buffer) -> int:
+def checksum(buffer: Any) -> int:
     """xxh3_64 of a buffer-protocol object (bytes, memoryview, numpy array)."""
     if _XXH3_64 is not None:
         array = np.frombuffer(buffer, dtype=np.uint8)
         if array.nbytes >= NATIVE_CHECKSUM_MIN_BYTES:
-            return _XXH3_64(array.ctypes.data, array.nbytes)
+            return int(_XXH3_64(array.ctypes.data, array.nbytes))
     return xxhash.xxh3_64_intdigest(buffer)
 
 

@@ -55,10 +55,10 @@ class L3Index:
             for key, value in puts:
                 txn.put(key, value)
             for key, slot, access_ns in touches:
-                value = txn.get(key)
-                if value is None:
+                stored = txn.get(key)
+                if stored is None:
                     continue
-                record = IndexRecord.unpack(value)
+                record = IndexRecord.unpack(stored)
                 if record.slot == slot and access_ns > record.last_access_ns:
                     txn.put(key, replace(record, last_access_ns=access_ns).pack())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from typing import Any
 
 import lmdb
 import torch
@@ -29,7 +30,7 @@ def _namespaces(directory: str) -> dict[str, int]:
     return dict(counts)
 
 
-def inspect_store(path: str | os.PathLike, verify: bool = False) -> dict:
+def inspect_store(path: str | os.PathLike[str], verify: bool = False) -> dict[str, Any]:
     """Facts about the store at `path`; with verify, re-read every page and check its checksum.
 
     Opens read-only: no lock, LMDB readonly without its lock file, access times untouched.
@@ -67,7 +68,7 @@ def inspect_store(path: str | os.PathLike, verify: bool = False) -> dict:
     return report
 
 
-def format_report(report: dict) -> str:
+def format_report(report: dict[str, Any]) -> str:
     """Human-readable lines for an inspect_store() result."""
     mib = 1 << 20
     namespaces = report["namespaces"]

@@ -11,9 +11,10 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,7 +43,8 @@ class SlotResult:
 
 
 def _host_view(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy()).cast("B")
+    array: Any = tensor.numpy()  # a numpy array is a buffer; numpy's stubs do not say so
+    return memoryview(array).cast("B")
 
 
 def _is_aligned(tensor: torch.Tensor, slot_bytes: int) -> bool:
@@ -119,7 +121,7 @@ class PosixSlotIO:
                 chunks.append([i])
         return chunks
 
-    def _run(self, job, slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[SlotResult]:
+    def _run(self, job: Callable[..., None], slots: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[SlotResult]:
         results = [SlotResult() for _ in slots]
         chunks = self._chunks(slots)
         if len(chunks) == 1:
@@ -140,13 +142,15 @@ class PosixSlotIO:
         self._copy_mapped(write, everything, slots, tensors, results, min(self.io_threads, len(slots)))
         return results
 
-    def _copy_mapped(self, write: bool, items: Sequence[int], slots, tensors, results: list[SlotResult],
+    def _copy_mapped(self, write: bool, items: Sequence[int], slots: Sequence[int], tensors: Sequence[torch.Tensor],
+                     results: list[SlotResult],
                      workers: int = 1) -> None:
         """Copy and hash pages `items` to or from the mapping as one `MappedBatch`: each of `workers` threads (the
         caller's alone for 1) enters C once and takes the next page until none is left. One Python entry a thread
         rather than a page, so the threads do not queue for the interpreter lock between pages, and a slow page
         holds up one thread only."""
         offset = self.slab.header.slot_offset
+        assert self.mapped is not None  # callers copy through the mapping only when there is one
         batch = self.mapped.batch(write, [tensors[i].data_ptr() for i in items], [offset(slots[i]) for i in items],
                                   self.page_bytes, MAPPED_PIECE_BYTES)
         if workers == 1:
@@ -174,7 +178,7 @@ class PosixSlotIO:
             return done if done is not None else self._run(self._read_chunk, slots, out)
 
     @contextlib.contextmanager
-    def _using_mapping(self):
+    def _using_mapping(self) -> Iterator[None]:
         """Count a call that may copy through the mapping (in its own thread or the pool's); refused once close
         has begun, which waits for the count to reach zero before it unmaps."""
         with self._mapped_idle:
@@ -188,11 +192,12 @@ class PosixSlotIO:
                 self._mapped_calls -= 1
                 self._mapped_idle.notify_all()
 
-    def _fused(self, chunk: list[int], buffers) -> bool:
+    def _fused(self, chunk: list[int], buffers: Sequence[torch.Tensor]) -> bool:
         """Whether every page of the chunk moves in hashed pieces (its buffer is the whole slot, aligned)."""
         return self.page_bytes == self.slot_bytes and all(_is_aligned(buffers[i], self.slot_bytes) for i in chunk)
 
-    def _native_pages(self, move, chunk: list[int], slots, buffers, results: list[SlotResult]) -> None:
+    def _native_pages(self, move: Callable[..., int], chunk: list[int], slots: Sequence[int],
+                      buffers: Sequence[torch.Tensor], results: list[SlotResult]) -> None:
         """Each page of the chunk in one call of the native loop (`move`: its read or write)."""
         fd, header = self.slab.data_fd, self.slab.header
         for i in chunk:
@@ -202,7 +207,8 @@ class PosixSlotIO:
             except OSError as e:
                 results[i] = SlotResult(error=e)
 
-    def _write_fused(self, chunk: list[int], slots, pages, results: list[SlotResult]) -> None:
+    def _write_fused(self, chunk: list[int], slots: Sequence[int], pages: Sequence[torch.Tensor],
+                     results: list[SlotResult]) -> None:
         fd = self.slab.data_fd
         if self.native is not None:
             self._native_pages(self.native.write, chunk, slots, pages, results)
@@ -219,7 +225,8 @@ class PosixSlotIO:
                 continue
             results[i].digest = h.digest()
 
-    def _read_fused(self, chunk: list[int], slots, out, results: list[SlotResult]) -> None:
+    def _read_fused(self, chunk: list[int], slots: Sequence[int], out: Sequence[torch.Tensor],
+                    results: list[SlotResult]) -> None:
         fd = self.slab.data_fd
         if self.native is not None:
             self._native_pages(self.native.read, chunk, slots, out, results)
@@ -237,7 +244,8 @@ class PosixSlotIO:
                 continue
             results[i].digest = h.digest()
 
-    def _write_chunk(self, chunk: list[int], slots, pages, results: list[SlotResult]) -> None:
+    def _write_chunk(self, chunk: list[int], slots: Sequence[int], pages: Sequence[torch.Tensor],
+                     results: list[SlotResult]) -> None:
         if self._mappable(chunk, slots, pages, write=True):
             self._copy_mapped(True, chunk, slots, pages, results)
             return
@@ -263,7 +271,8 @@ class PosixSlotIO:
             for i in chunk:
                 results[i] = SlotResult(error=e)
 
-    def _mappable(self, chunk: Sequence[int], slots, out, write: bool = False) -> bool:
+    def _mappable(self, chunk: Sequence[int], slots: Sequence[int], out: Sequence[torch.Tensor],
+                  write: bool = False) -> bool:
         """Whether every page of the chunk can be copied to or from the mapping: CPU memory, contiguous, page-sized,
         in the part of the mapping already faulted in, and for a write, a writable mapping."""
         if self.mapped is None or (write and not self.mapped.writable):
@@ -272,7 +281,8 @@ class PosixSlotIO:
         return all(offset(slots[i]) <= mark and out[i].device.type == "cpu" and out[i].is_contiguous()
                    and out[i].numel() * out[i].element_size() == self.page_bytes for i in chunk)
 
-    def _read_chunk(self, chunk: list[int], slots, out, results: list[SlotResult]) -> None:
+    def _read_chunk(self, chunk: list[int], slots: Sequence[int], out: Sequence[torch.Tensor],
+                    results: list[SlotResult]) -> None:
         if self._mappable(chunk, slots, out):
             self._copy_mapped(False, chunk, slots, out, results)
             return
@@ -359,7 +369,7 @@ class KvikioSlotIO:
         self.file = kvikio.CuFile(slab.path, "r" if slab.read_only else "r+")
 
     @staticmethod
-    def _buffer(tensor: torch.Tensor):
+    def _buffer(tensor: torch.Tensor) -> Any:
         return tensor if tensor.is_cuda else tensor.numpy()
 
     @staticmethod
@@ -367,7 +377,8 @@ class KvikioSlotIO:
         host = tensor.cpu() if tensor.is_cuda else tensor
         return checksum(host.numpy())
 
-    def _run(self, method, slots, tensors, digest_first: bool) -> list[SlotResult]:
+    def _run(self, method: Callable[..., Any], slots: Sequence[int], tensors: Sequence[torch.Tensor],
+             digest_first: bool) -> list[SlotResult]:
         results = [SlotResult() for _ in slots]
         futures = [method(self._buffer(t), self.page_bytes, self.slab.header.slot_offset(s))
                    for s, t in zip(slots, tensors)]
@@ -397,7 +408,7 @@ class KvikioSlotIO:
         self.file.close()
 
 
-def set_kvikio_threads(kvikio, threads: int) -> None:
+def set_kvikio_threads(kvikio_module: Any, threads: int) -> None:
     """Raise kvikio's I/O thread pool to `threads` (its default of 1 leaves the disk idle)."""
     try:
         import kvikio.defaults  # a submodule: not loaded by `import kvikio`

@@ -19,8 +19,9 @@ import errno
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from tiers import native
 from tiers.l3 import format as l3_format
@@ -40,7 +41,7 @@ class NativePageIO:
     bytes moved, or raise OSError."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+        self.lib: Any = lib  # its functions are attributes looked up at run time
         args = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_size_t,
                 ctypes.POINTER(ctypes.c_uint64))
         for name in ("hicache_read_hashed", "hicache_write_hashed"):
@@ -77,13 +78,14 @@ class NativePageIO:
 
     def in_memory(self, fd: int) -> bool:
         """Whether the file of `fd` lives in memory (tmpfs, ramfs, hugetlbfs); False where that cannot be told."""
-        return self.lib.hicache_in_memory_fs(fd) == 1
+        return bool(self.lib.hicache_in_memory_fs(fd) == 1)
 
     def map(self, fd: int, length: int, writable: bool) -> MappedFile:
         """A shared mapping of the file's first `length` bytes (`fd` open for writing if `writable`); OSError if the
         kernel refuses it."""
         address = ctypes.c_void_p()
         _check(self.lib.hicache_map(fd, length, int(writable), ctypes.byref(address)), "L3 slab mapping")
+        assert address.value is not None  # hicache_map sets it or fails
         return MappedFile(self, address.value, length, fd, writable)
 
 
@@ -115,7 +117,7 @@ class MappedFile:
                 return
             self.populated += n
 
-    def _copy(self, fn, what: str, address: int, length: int, offset: int, piece: int) -> int:
+    def _copy(self, fn: Callable[..., int], what: str, address: int, length: int, offset: int, piece: int) -> int:
         if not self.address:
             raise OSError(errno.EBADF, f"{what}: the slab mapping is closed")
         digest = ctypes.c_uint64()
@@ -194,7 +196,9 @@ def load() -> NativePageIO | None:
                        "install libxxhash0)", what)
         return None
     lib.hicache_native_init.argtypes = (ctypes.c_void_p,) * 5
-    addr = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+    def addr(fn: Any) -> int | None:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
     if lib.hicache_native_init(addr(hash_lib.XXH3_createState), addr(hash_lib.XXH3_64bits_reset),
                                addr(hash_lib.update), addr(hash_lib.XXH3_64bits_digest),
                                addr(hash_lib.XXH3_freeState)):

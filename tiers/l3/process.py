@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -52,8 +53,8 @@ RESTART_MAX_S = 60.0  # longest wait between attempts to restart a dead L3 proce
 class L3Process:
     """Start the L3 store in a process of its own; `store` and `worker` are its two faces."""
 
-    def __init__(self, host: Any, store_args: dict | None, threads: int, queue_pages: int, batch_pages: int,
-                 staging_pages: int | None = None, remote_args: dict | None = None, remote_pages: int = 0,
+    def __init__(self, host: Any, store_args: dict[str, Any] | None, threads: int, queue_pages: int, batch_pages: int,
+                 staging_pages: int | None = None, remote_args: dict[str, Any] | None = None, remote_pages: int = 0,
                  restart: bool = True, restart_min_s: float = 1.0) -> None:
         """store_args: the local L3 store's (`L3Store`'s arguments), remote_args the remote tier's
         (`tiers.remote.RemoteStore`'s); either may be None (tiers/persistent.py). `restart`: a child that dies is
@@ -62,23 +63,25 @@ class L3Process:
         if getattr(host, "share_fd", None) is None:
             raise ValueError("the L3 process needs a host pool in shared memory (HostPool(shared=True))")
         page_bytes = host.page_bytes
+        if store_args is None and remote_args is None:
+            raise ValueError("the L3 process needs a local store, a remote tier, or both")
         self.path = (os.path.abspath(os.fspath(store_args["path"])) if store_args is not None
-                     else remote_name(remote_args["url"]))
+                     else remote_name(remote_args["url"]) if remote_args is not None else "")
         staging_pages = queue_pages if staging_pages is None else staging_pages
         self.restart, self.restart_min_s = restart, restart_min_s
         self.closing = False
         self.restarts = 0
         self.call_times = CallTimes()  # over every child this one starts
         self._restarting = threading.Lock()
-        self._staging_fd = os.memfd_create("hicache-l3-staging", os.MFD_CLOEXEC)  # kept for a restarted child
+        staging_fd = self._staging_fd = os.memfd_create("hicache-l3-staging", os.MFD_CLOEXEC)  # kept for restarts
         try:
             os.ftruncate(self._staging_fd, staging_pages * page_bytes)  # sparse: memory is used as slots are
             staging = map_shared(self._staging_fd, staging_pages * page_bytes).view(-1, page_bytes)
             pool = host.buffer.view(host.capacity_pages, -1).view(torch.uint8)
             self._pages = Pages(pool, staging, page_bytes)
-            self._launch = lambda: self._start(host, self._staging_fd, staging_pages, threads, batch_pages,
-                                               {"store": store_args, "remote": remote_args,
-                                                "remote_pages": remote_pages})
+            stores = {"store": store_args, "remote": remote_args, "remote_pages": remote_pages}
+            self._launch: Callable[[], ChildLink] = lambda: self._start(host, staging_fd, staging_pages, threads,
+                                                                        batch_pages, stores)
             link, value = self._open()
         except BaseException:
             self.release()
@@ -90,7 +93,7 @@ class L3Process:
         logger.info("%s: L3 store open in process %d, %d pages, io_backend=%s", self.path, link.proc.pid,
                     self.store.capacity_pages, self.store.io_backend)
 
-    def _open(self) -> tuple[ChildLink, dict]:
+    def _open(self) -> tuple[ChildLink, dict[str, Any]]:
         """Start a child and wait until its store is open; L3Error with the child's reason if it fails."""
         link = self._launch()
         status, value = self._first_answer(link)
@@ -140,7 +143,7 @@ class L3Process:
             self._staging_fd = None
 
     def _start(self, host: Any, staging_fd: int, staging_pages: int, threads: int, batch_pages: int,
-               stores: dict) -> ChildLink:
+               stores: dict[str, Any]) -> ChildLink:
         parent_async, child_async = socket.socketpair()
         parent_rpc, child_rpc = socket.socketpair()
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository

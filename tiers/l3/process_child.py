@@ -60,7 +60,7 @@ def _describe(e: BaseException) -> tuple[str, int | None, str]:
     return type(e).__name__, getattr(e, "errno", None), str(e)
 
 
-def _child(spec: dict, async_conn: Connection, rpc_conn: Connection) -> int:
+def _child(spec: dict[str, Any], async_conn: Connection, rpc_conn: Connection) -> int:
     from tiers.persistent import open_persistent
 
     page_bytes = spec["page_bytes"]

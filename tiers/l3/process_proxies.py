@@ -47,14 +47,14 @@ class CallTimes:
             logger.warning("%s: the L3 process took %.2f s to answer %s (the caller waited; logged at most every "
                            "%.0f s)", path, seconds, method, SLOW_CALL_LOG_S)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return {"call_seconds": self.seconds, "calls": self.calls, "slowest_call_s": self.slowest_s}
 
 
 class ChildLink:
     """The parent's ends of both connections, the child, and whether it is gone."""
 
-    def __init__(self, proc: subprocess.Popen, async_conn: Connection, rpc_conn: Connection, path: str,
+    def __init__(self, proc: subprocess.Popen[bytes], async_conn: Connection, rpc_conn: Connection, path: str,
                  times: CallTimes | None = None) -> None:
         self.proc, self.async_conn, self.rpc_conn, self.path = proc, async_conn, rpc_conn, path
         self.times = times if times is not None else CallTimes()
@@ -96,7 +96,7 @@ class ChildLink:
             raise RuntimeError(f"L3 process: {name}: {message}")
         return value
 
-    def send(self, message: tuple) -> bool:
+    def send(self, message: tuple[Any, ...]) -> bool:
         if self.gone is not None:
             return False
         with self.send_lock:
@@ -131,7 +131,7 @@ class StoreProxy:
     """The L3 store of the child process, as `tiers.l3.L3Store` is called by the controller, the server and the
     calibration."""
 
-    def __init__(self, owner: ProcessOwner, pages: Pages, info: dict) -> None:
+    def __init__(self, owner: ProcessOwner, pages: Pages, info: dict[str, Any]) -> None:
         self._owner, self._pages = owner, pages
         self.capacity_pages: int = info["capacity_pages"]
         self._io_backend: str = info["io_backend"]
@@ -185,7 +185,7 @@ class StoreProxy:
     def check_integrity(self) -> None:
         self._link.call("check_integrity")
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         gone = {"path": self.path, "state": "gone", "io_backend": self._io_backend, "pages": 0,
                 "capacity_pages": self.capacity_pages}
         out = self._link.call("stats", default=gone)
@@ -230,7 +230,7 @@ class WorkerProxy:
         self._next_id = 0
         self._inbox: list[Completion] = []
         self._staging_free = list(range(pages.staging.shape[0] - 1, -1, -1))
-        self._forwards: queue.SimpleQueue = queue.SimpleQueue()
+        self._forwards: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._forwarding = 0  # writes waiting in the forwarder (everything queues behind them, to keep order)
         self._lock = threading.Lock()
         self._closed = False
@@ -318,7 +318,7 @@ class WorkerProxy:
         self._jobs[job_id] = job
         return job_id
 
-    def _dispatch(self, message: tuple, before: Callable[[], None] | None) -> None:
+    def _dispatch(self, message: tuple[Any, ...], before: Callable[[], None] | None) -> None:
         with self._lock:
             direct = before is None and self._forwarding == 0
             if not direct:
@@ -362,7 +362,7 @@ class WorkerProxy:
         except (EOFError, OSError) as e:
             self._link.lost(f"receive: {e or type(e).__name__}")
 
-    def _complete(self, items: list[tuple]) -> None:
+    def _complete(self, items: list[tuple[Any, ...]]) -> None:
         with self._lock:
             for kind, job_id, results, seconds, end, reasons in items:
                 job = self._jobs.pop(job_id, None)

@@ -12,6 +12,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import lmdb
 
@@ -42,11 +43,11 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
     to call from many threads; I/O runs outside its lock.
     """
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int, page_bytes: int, namespace: bytes,
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, page_bytes: int, namespace: bytes,
                  io_backend: str = "auto", io_threads: int = 4, sync_batch_pages: int = 32,
                  admission_hits: int = 0, read_only: bool = False, max_io_bytes: int = 16 << 20,
                  degraded_retry_s: float = 30.0, read_limit_bytes_per_s: float = 0.0,
-                 write_limit_bytes_per_s: float = 0.0, namespace_fields: dict | None = None) -> None:
+                 write_limit_bytes_per_s: float = 0.0, namespace_fields: dict[str, Any] | None = None) -> None:
         self.path = os.path.abspath(os.fspath(path))
         # what the namespace fingerprints (model, dtype, layout, page size, rank), kept beside the slab so that a
         # server opening the store with other settings is told which ones differ
@@ -95,11 +96,6 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
             raise
 
     # ---- public API ----
-
-    @property
-    def capacity_pages(self) -> int:
-        """Hard cap on stored pages (slots in the slab)."""
-        return self._header.slot_count
 
     @property
     def io_backend(self) -> str:
@@ -152,24 +148,7 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
         the shared copies, tiers/persistent.py)."""
         return self.delete(keys)
 
-    def _commit_pending_drops(self) -> None:
-        """Durably drop the index entries `delete(wait=False)` removed, and free their slots."""
-        with self._lock:
-            gone, self._pending_drops = self._pending_drops, []
-        if gone:
-            self._commit_drop(gone, release=True)
-
-    def flush(self) -> None:
-        """Write pending access times (LRU recency) to the index."""
-        if self.read_only or self._index is None:
-            return
-        self._commit_pending_drops()
-        with self._lock:
-            touches = self._take_touches()
-        if touches:
-            self._commit(touches=touches)
-
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Size, state, active I/O path and counters."""
         with self._lock:
             return {
@@ -210,7 +189,7 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
     def __enter__(self) -> L3Store:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- internals ----

@@ -82,7 +82,7 @@ class StoreOpening(StoreState):
             # "auto": a slab in memory (tmpfs) is read from a mapping; "posix" and "buffered" always pread
             self._io = PosixSlotIO(self._slab, self.page_bytes, io_threads, max_io_bytes,
                                    map_reads=None if io_backend == "auto" else False)
-        self._header = self._slab.header
+        self._header = self._open_slab.header
         self._io_name = self._io.name
         log.info("%s: L3 store open, %d/%d pages, io_backend=%s, state=%s", self.path, len(self._entries),
                  self.capacity_pages, self._io.name, self._state)
@@ -123,8 +123,8 @@ class StoreOpening(StoreState):
 
     def _load(self, slot_count: int) -> None:
         """Rebuild the LRU order and the free list from the index; drop entries that cannot be valid."""
-        header = self._slab.header
-        on_disk = self._slab.slots_on_disk()
+        header = self._open_slab.header
+        on_disk = self._open_slab.slots_on_disk()
         keep = header.slot_count if self.read_only else min(slot_count, header.slot_count)
         used: set[int] = set()
         bad: list[bytes] = []
@@ -154,11 +154,11 @@ class StoreOpening(StoreState):
         if not self.read_only:
             if slot_count != header.slot_count:
                 self._index.grow(index_map_bytes(slot_count))
-                self._slab.resize(slot_count)
+                self._open_slab.resize(slot_count)
             else:
-                self._slab.ensure_size()
+                self._open_slab.ensure_size()
         records.sort(key=lambda item: item[1].last_access_ns)
         self._last_stamp = records[-1][1].last_access_ns if records else 0
         for key, record in records:
             self._entries[key] = Entry(record.slot, record.checksum, record.last_access_ns)
-        self._free = [slot for slot in range(self._slab.header.slot_count) if slot not in used]
+        self._free = [slot for slot in range(self._open_slab.header.slot_count) if slot not in used]

@@ -3,18 +3,21 @@ once, and the primitives they all use: index commits, access stamps, slot releas
 
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import lmdb
+import torch
 
 from tiers.l3.entry import Entry
-from tiers.l3.format import index_key
+from tiers.l3.format import KEY_BYTES, L3Error, index_key
 from tiers.l3.lockfile import WriterLock
 from tiers.l3.ratelimit import TokenBucket
 from tiers.l3.slab import SlabFile
@@ -26,7 +29,7 @@ class StoreState:
     """L3Store's fields (set by its __init__ and _open) and the primitives its parts share; see L3Store."""
 
     path: str
-    namespace_fields: dict
+    namespace_fields: dict[str, Any]
     page_bytes: int
     namespace: bytes
     read_only: bool
@@ -60,7 +63,14 @@ class StoreState:
     _header: Any
     _io_name: str
 
-    def _commit(self, puts=(), deletes=(), touches=()) -> bool:
+    @property
+    def _open_slab(self) -> SlabFile:
+        """The slab of an open store."""
+        assert self._slab is not None, "the L3 store is not open"
+        return self._slab
+
+    def _commit(self, puts: Sequence[tuple[bytes, bytes]] = (), deletes: Sequence[bytes] = (),
+                touches: Sequence[tuple[bytes, int, int]] = ()) -> bool:
         try:
             self._index.commit(puts=puts, deletes=deletes, touches=touches)
         except lmdb.Error as e:
@@ -123,3 +133,38 @@ class StoreState:
                           self.path, reason, self.degraded_retry_s)
             self._state = "degraded"
             self._degraded_at = time.monotonic()
+
+    @property
+    def capacity_pages(self) -> int:
+        """Hard cap on stored pages (slots in the slab)."""
+        return int(self._header.slot_count)
+
+    def _commit_pending_drops(self) -> None:
+        """Durably drop the index entries `delete(wait=False)` removed, and free their slots."""
+        with self._lock:
+            gone, self._pending_drops = self._pending_drops, []
+        if gone:
+            self._commit_drop(gone, release=True)
+
+    def flush(self) -> None:
+        """Write pending access times (LRU recency) to the index."""
+        if self.read_only or self._index is None:
+            return
+        self._commit_pending_drops()
+        with self._lock:
+            touches = self._take_touches()
+        if touches:
+            self._commit(touches=touches)
+
+    def _check_batch(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> None:
+        if self._index is None:
+            raise L3Error(errno.EBADF, f"{self.path}: L3 store is closed")
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys but {len(tensors)} pages")
+        for key, tensor in zip(keys, tensors):
+            if len(key) != KEY_BYTES:
+                raise ValueError(f"page key must be {KEY_BYTES} bytes, got {len(key)}")
+            if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != self.page_bytes \
+                    or not tensor.is_contiguous():
+                raise ValueError(f"page must be a contiguous 1-D uint8 tensor of {self.page_bytes} bytes, "
+                                 f"got {tuple(tensor.shape)} {tensor.dtype}")

@@ -10,12 +10,12 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
 from tiers.l3.entry import Entry
 from tiers.l3.format import (
-    KEY_BYTES,
     IndexRecord,
     L3Error,
     bound_checksum,
@@ -57,7 +57,8 @@ class StoreWrites(StoreState):
             reasons[i] = None if results[i] else reasons[j] or "failed"
         return results, reasons
 
-    def _write_planned(self, keys, pages, todo: list[int], results: list[bool]) -> None:
+    def _write_planned(self, keys: Sequence[bytes], pages: Sequence[torch.Tensor], todo: list[int],
+                       results: list[bool]) -> None:
         victims, slots = self._allocate([keys[i] for i in todo], protect=set(keys))
         if victims and not self._commit_drop(victims, release=False):
             slots = []  # the victims' index state is unknown (now quarantined): write nothing
@@ -101,19 +102,6 @@ class StoreWrites(StoreState):
             raise L3Error(errno.EROFS, f"{self.path}: L3 store opened read-only")
         if self._index is None:
             raise L3Error(errno.EBADF, f"{self.path}: L3 store is closed")
-
-    def _check_batch(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor]) -> None:
-        if self._index is None:
-            raise L3Error(errno.EBADF, f"{self.path}: L3 store is closed")
-        if len(keys) != len(tensors):
-            raise ValueError(f"{len(keys)} keys but {len(tensors)} pages")
-        for key, tensor in zip(keys, tensors):
-            if len(key) != KEY_BYTES:
-                raise ValueError(f"page key must be {KEY_BYTES} bytes, got {len(key)}")
-            if tensor.dtype != torch.uint8 or tensor.dim() != 1 or tensor.numel() != self.page_bytes \
-                    or not tensor.is_contiguous():
-                raise ValueError(f"page must be a contiguous 1-D uint8 tensor of {self.page_bytes} bytes, "
-                                 f"got {tuple(tensor.shape)} {tensor.dtype}")
 
     def _plan_writes(self, keys: Sequence[bytes], results: list[bool], reasons: list[str | None]) -> list[int]:
         """Indices of keys this call will write (admitted, absent, not in flight); marks present ones True and
@@ -159,7 +147,7 @@ class StoreWrites(StoreState):
         """
         with self._lock:
             slots = [heapq.heappop(self._free) for _ in range(min(len(keys), len(self._free)))]
-            victims = []
+            victims: list[tuple[bytes, int]] = []
             if len(slots) < len(keys):
                 for key, entry in self._entries.items():
                     if len(slots) + len(victims) == len(keys):
@@ -175,13 +163,13 @@ class StoreWrites(StoreState):
                 self._in_flight[key] = slot
             return victims, slots
 
-    def _sync_and_finish(self, keys, group: list[int], slots: list[int], outcomes,
+    def _sync_and_finish(self, keys: Sequence[bytes], group: list[int], slots: list[int], outcomes: Any,
                          results: list[bool]) -> None:
         """Sync one written group and commit its index entries (none once an earlier group degraded the store)."""
-        digests = [None] * len(group) if self._state == "degraded" else self._sync_group(outcomes)
+        digests: list[int | None] = [None] * len(group) if self._state == "degraded" else self._sync_group(outcomes)
         self._finish_writes(keys, group, slots, digests, results)
 
-    def _sync_group(self, outcomes) -> list[int | None]:
+    def _sync_group(self, outcomes: Any) -> list[int | None]:
         """fdatasync a written group; returns each page's checksum, None where the write or sync failed."""
         digests = [o.digest if o.error is None else None for o in outcomes]
         failed = [o.error for o in outcomes if o.error is not None]
@@ -189,7 +177,7 @@ class StoreWrites(StoreState):
             self._degrade(f"write failed for {len(failed)} pages: {failed[0]}", len(failed))
         if any(d is not None for d in digests):
             try:
-                self._slab.sync()
+                self._open_slab.sync()
                 with self._lock:
                     self._counters["fsyncs"] += 1
             except OSError as e:
@@ -197,7 +185,7 @@ class StoreWrites(StoreState):
                 digests = [None] * len(digests)
         return digests
 
-    def _finish_writes(self, keys, group: list[int], slots: list[int], digests: list[int | None],
+    def _finish_writes(self, keys: Sequence[bytes], group: list[int], slots: list[int], digests: list[int | None],
                        results: list[bool]) -> None:
         """Commit the written pages' index entries; failed pages' slots go back to the free list."""
         with self._lock:

@@ -63,7 +63,7 @@ def value_header(namespace: bytes, key: bytes, page: memoryview, page_bytes: int
 def header_matches(namespace: bytes, key: bytes, header: Any, page: memoryview, page_bytes: int) -> bool:
     """Whether a value read back (header, page bytes) is this key's page of this namespace, intact."""
     magic, version, _flags, length, digest, got_key, got_namespace = HEADER.unpack_from(header)
-    return (magic == MAGIC and version == FORMAT_VERSION and length == page_bytes and got_key == key
+    return bool(magic == MAGIC and version == FORMAT_VERSION and length == page_bytes and got_key == key
             and got_namespace == namespace and digest == bound_checksum(namespace, key, checksum(page)))
 
 
@@ -86,6 +86,7 @@ class RemoteStore:
         if len(namespace) != NAMESPACE_BYTES:
             raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes")
         self.namespace = namespace
+        self.address: object = None  # where the store is (set by each backend; str() is the URL without secrets)
         self.page_bytes = page_bytes
         self.batch_pages = max(1, min(batch_pages, BATCH_BYTES // max(1, page_bytes + HEADER_BYTES)))
         self.retry_min_s, self.retry_max_s = retry_min_s, retry_max_s
@@ -155,12 +156,16 @@ class RemoteStore:
             self._counters["deletes"] += gone
         return gone
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"url": str(self.address), "state": self._state, "reason": self._why,
                     "page_bytes": self.page_bytes, **self._counters}
 
     # ---- for the stores ----
+
+    def close(self) -> None:
+        """Drop the connections (each backend's)."""
+        raise NotImplementedError
 
     def _probe(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Per key whether the store has it; None if the store could not be asked."""
@@ -170,10 +175,12 @@ class RemoteStore:
         """Delete the keys; how many the store had (0 if it could not be asked)."""
         raise NotImplementedError
 
-    def _read_batch(self, keys, out, start: int, end: int, results: list[bool]) -> None:
+    def _read_batch(self, keys: Sequence[bytes], out: Sequence[Any], start: int, end: int,
+                    results: list[bool]) -> None:
         raise NotImplementedError
 
-    def _write_batch(self, keys, pages, batch: list[int], results: list[bool], reasons: list[str | None]) -> None:
+    def _write_batch(self, keys: Sequence[bytes], pages: Sequence[Any], batch: list[int], results: list[bool],
+                     reasons: list[str | None]) -> None:
         raise NotImplementedError
 
     def _count_reads(self, pages: int, outcomes: Counter[str]) -> None:

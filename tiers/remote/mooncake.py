@@ -90,7 +90,7 @@ class MooncakeAddress:
 def _address_of(page: Any) -> int:
     """The address of a page buffer's first byte (a CPU tensor, or anything with the buffer protocol)."""
     if hasattr(page, "data_ptr"):
-        return page.data_ptr()
+        return int(page.data_ptr())
     return np.frombuffer(host_view(page), dtype=np.uint8).ctypes.data
 
 
@@ -117,12 +117,13 @@ class MooncakeStore(RemoteStore):
         super().__init__(namespace, page_bytes, batch_pages, admission_hits, retry_min_s, retry_max_s)
         if client_factory is None:
             try:
-                from mooncake.store import MooncakeDistributedStore as client_factory
+                from mooncake.store import MooncakeDistributedStore
             except ImportError as e:
                 raise RemoteError(0, f"cache.remote.url {url!r}: the Mooncake client is not installed "
                                      f"(pip install 'hicache[mooncake]'): {e}") from e
+            client_factory = MooncakeDistributedStore
         self._factory: Callable[[], Any] = client_factory
-        self.address = MooncakeAddress.parse(url)
+        self.address: MooncakeAddress = MooncakeAddress.parse(url)
         self.timeout_s = timeout_s
         self._prefix = f"{key_prefix}:{namespace.hex()}:"
         self._client: _Client | None = None
@@ -154,7 +155,8 @@ class MooncakeStore(RemoteStore):
 
     # ---- internals ----
 
-    def _read_batch(self, keys, out, start: int, end: int, results: list[bool]) -> None:
+    def _read_batch(self, keys: Sequence[bytes], out: Sequence[Any], start: int, end: int,
+                    results: list[bool]) -> None:
         views = [host_view(out[i]) for i in range(start, end)]
         if any(len(v) != self.page_bytes for v in views):
             raise ValueError(f"page buffers must be {self.page_bytes} bytes")
@@ -188,7 +190,8 @@ class MooncakeStore(RemoteStore):
                 outcomes["error"] += 1
         self._count_reads(end - start, outcomes)
 
-    def _write_batch(self, keys, pages, batch: list[int], results: list[bool], reasons: list[str | None]) -> None:
+    def _write_batch(self, keys: Sequence[bytes], pages: Sequence[Any], batch: list[int], results: list[bool],
+                     reasons: list[str | None]) -> None:
         if not batch:
             return
         views = []

@@ -202,7 +202,7 @@ class ValkeyStore(RemoteStore):
                  connect_timeout_s: float = 1.0, batch_pages: int = 128, admission_hits: int = 0,
                  retry_min_s: float = 0.5, retry_max_s: float = 30.0) -> None:
         super().__init__(namespace, page_bytes, batch_pages, admission_hits, retry_min_s, retry_max_s)
-        self.address = ValkeyAddress.parse(url, username, password)
+        self.address: ValkeyAddress = ValkeyAddress.parse(url, username, password)
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self._prefix = f"{key_prefix}:{namespace.hex()}:".encode()
         self._local = threading.local()
@@ -233,7 +233,8 @@ class ValkeyStore(RemoteStore):
 
     # ---- internals ----
 
-    def _read_batch(self, keys, out, start: int, end: int, results: list[bool]) -> None:
+    def _read_batch(self, keys: Sequence[bytes], out: Sequence[Any], start: int, end: int,
+                    results: list[bool]) -> None:
         commands = [part for i in range(start, end) for part in _Connection.command(b"GET", self.key(keys[i]))]
         conn = self._connection()
         if conn is None:
@@ -260,7 +261,8 @@ class ValkeyStore(RemoteStore):
     def _header(self, key: bytes, page: memoryview) -> bytes:
         return value_header(self.namespace, key, page, self.page_bytes)
 
-    def _write_batch(self, keys, pages, batch: list[int], results: list[bool], reasons: list[str | None]) -> None:
+    def _write_batch(self, keys: Sequence[bytes], pages: Sequence[Any], batch: list[int], results: list[bool],
+                     reasons: list[str | None]) -> None:
         if not batch:
             return
         conn = self._connection()
@@ -299,7 +301,7 @@ class ValkeyStore(RemoteStore):
                 reasons[i] = "failed"
         self._count_writes(batch, results, full)
 
-    def _pipeline(self, commands: list[list[bytes]], count: int) -> list[Any] | None:
+    def _pipeline(self, commands: list[list[bytes | memoryview]], count: int) -> list[Any] | None:
         conn = self._connection()
         if conn is None:
             return None
@@ -313,7 +315,7 @@ class ValkeyStore(RemoteStore):
     def _connection(self) -> _Connection | None:
         """This thread's connection; None while the store is down and its retry time has not come."""
         local = self._local
-        conn = getattr(local, "conn", None)
+        conn: _Connection | None = getattr(local, "conn", None)
         if conn is not None and local.generation == self._generation:
             return conn
         if conn is not None:
@@ -323,11 +325,13 @@ class ValkeyStore(RemoteStore):
             if self._waiting_to_retry():
                 return None
             generation = self._generation
+        conn = None
         try:
             conn = _Connection(self.address, self.connect_timeout_s, self.timeout_s)
             self._handshake(conn)
         except ReplyError as e:
-            conn.close()
+            if conn is not None:
+                conn.close()
             self._fail("auth_failed" if "WRONGPASS" in str(e) or "NOAUTH" in str(e) or "AUTH" in str(e)
                        else "down", str(e))
             return None
