@@ -84,3 +84,44 @@ def test_a_replay_run_with_the_default_config_imports_no_torch(tmp_path):
             "print(rc, 'torch' in sys.modules, file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code, str(trace)], cwd=ROOT, capture_output=True, text=True)
     assert out.stderr.strip().splitlines()[-1] == "0 False", out.stderr[-2000:]
+
+
+def module_imports(path: Path) -> set[str]:
+    """Full names of the project modules `path` imports (absolute `import` and `from` statements)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.split(".")[0] in PROJECT}
+
+
+# a room -> the rooms it must never import (modules below it, or siblings it must not know)
+ROOMS = {
+    "radix/node.py": ("radix.tree", "radix.order", "radix.namespace", "radix.integrity"),
+    "radix/order.py": ("radix.tree", "radix.node"),
+    "radix/integrity.py": ("radix.tree",),
+    # the disk store knows nothing of the remote tier (its runtime, worker.py and process*.py, serves both)
+    "tiers/l3/store*.py": ("tiers.remote", "tiers.persistent", "tiers.l3.worker", "tiers.l3.process"),
+    "tiers/remote": ("tiers.l3.store", "tiers.l3.worker", "tiers.l3.process", "tiers.persistent"),
+    "hicache/engine/kernels": ("hicache.engine.tp", "hicache.engine.engine", "hicache.engine.scheduler",
+                               "hicache.engine.builder", "hicache.cache", "hicache.server"),
+    "hicache/engine/tp": ("hicache.engine.builder", "hicache.server"),
+    "hicache/engine/assembly.py": ("hicache.engine.builder", "hicache.engine.tp"),
+    "hicache/replay": ("hicache.bench_client", "hicache.engine", "hicache.server"),
+}
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_rooms_import_only_what_they_may(room):
+    target = ROOT / room
+    files = sorted(ROOT.glob(room)) if "*" in room else sorted(target.rglob("*.py")) if target.is_dir() else [target]
+    assert files, f"nothing at {room}"
+    bad = []
+    for path in files:
+        for name in sorted(module_imports(path)):
+            if any(name == f or name.startswith(f + ".") for f in ROOMS[room]):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
