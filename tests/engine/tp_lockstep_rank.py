@@ -47,7 +47,7 @@ def record_collectives() -> list[str]:
 
 def follower(log_dir: str, argv: list[str]) -> int:
     log = record_collectives()
-    from hicache.engine import tp_follower
+    from hicache.engine.tp import follower as tp_follower
 
     rank = int(argv[argv.index("--rank") + 1])
     code = tp_follower.main(argv)
