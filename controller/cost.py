@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,24 +53,6 @@ class CostModel:
             return 0.0
         bw = self.host_to_device_bytes_per_s if tier == HOST else self.disk_to_device_bytes_per_s
         return 0.0 if not bw else self.page_bytes / bw
-
-    def loads_pay(self, tier: str, bytes_per_s: float | None = None, depth_pages: int = 1) -> bool:
-        """Whether pages of `tier` would be loaded under this model: always in mode "always", never in "never", and in
-        "auto" where the plan for a prefix of `depth_pages` pages, all on `tier`, loads any of them (unknown costs
-        count as paying). `bytes_per_s`: judge the tier at this bandwidth instead of the model's own."""
-        if self.mode != "auto":
-            return self.mode == "always"
-        if tier == DEVICE:
-            return True
-        model = self
-        if bytes_per_s:
-            model = (dataclasses.replace(self, host_to_device_bytes_per_s=bytes_per_s) if tier == HOST
-                     else dataclasses.replace(self, disk_to_device_bytes_per_s=bytes_per_s))
-        if not model.load_seconds(tier) or not self.prefill_tokens_per_s:
-            return True
-        runs = [(tier, max(1, depth_pages))]
-        k, s, n = model.plan(runs)
-        return k + (n - s) > 0
 
     def compute_seconds(self, start: int = 0, end: int | None = None) -> float:
         """Seconds to recompute pages [start, end) of a prompt (end: start + 1), their attention to earlier tokens

@@ -72,9 +72,9 @@ class LoadTicket:
         return sum(n.num_pages for n in self.nodes)
 
     def device_pages(self) -> list[int]:
-        """GPU page ids of the used prefix, in order (no gap left: see prefix_pages / tail_pages)."""
+        """GPU page ids of the used prefix, in order (no gap left: see prefix_pages)."""
         if self.gap is not None:
-            raise ValueError(f"ticket has an uncommitted gap {self.gap}: use prefix_pages and tail_pages")
+            raise ValueError(f"ticket has an uncommitted gap {self.gap}: use prefix_pages")
         return [p for n in self.nodes for p in n.device_pages]
 
     def part(self, start: int, end: int) -> list[TreeNode]:
@@ -94,12 +94,6 @@ class LoadTicket:
     def prefix_pages(self) -> list[int]:
         """GPU page ids of pages [0, k)."""
         return [p for n in self.prefix_nodes for p in n.device_pages]
-
-    def tail_pages(self) -> list[int]:
-        """GPU page ids of pages [s, n), loading while the caller computes the gap (empty without one)."""
-        if self.gap is None:
-            return []
-        return [p for n in self.part(self.gap[1], self.num_pages) for p in n.device_pages]
 
     @property
     def failed(self) -> bool:

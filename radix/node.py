@@ -151,12 +151,3 @@ class MatchResult:
     def num_pages(self) -> int:
         return self.device_pages + self.host_pages + self.disk_pages
 
-    def device_page_ids(self) -> list[int]:
-        """GPU page ids of the leading on-GPU part of the prefix."""
-        out: list[int] = []
-        for node, tier in self.segments:
-            pages = node.loc[0]
-            if tier != DEVICE or pages is None:
-                break
-            out.extend(pages)
-        return out

@@ -44,9 +44,8 @@ def test_a_disk_too_slow_for_short_prompts_pays_for_long_ones():
     assert cost.pages_to_load([(HOST, 1), (DISK, 1)]) == 1  # host page yes; a 4.5 s page at depth 1 no
     assert cost.pages_to_load([(HOST, 1), (DISK, 2)]) == 3  # 4.5 + 6.5 = 11 s of compute against 10 s of loads
     assert dataclasses.replace(cost, attention_seconds_per_pair=0.0).pages_to_load([(DISK, 40)]) == 0
-    assert not cost.loads_pay(DISK) and not cost.loads_pay(DISK, depth_pages=3)
-    assert cost.loads_pay(DISK, depth_pages=4) and cost.loads_pay(HOST)
-    assert cost.loads_pay(DISK, bytes_per_s=1.0, depth_pages=1)  # judged at 1 s a page: pays from the start
+    faster = dataclasses.replace(cost, disk_to_device_bytes_per_s=cost.page_bytes / 1.0)  # 1 s a page
+    assert faster.pages_to_load([(DISK, 1)]) == 1  # pays from the start
     assert cost.pays_from_token(DISK) == 2 * 2  # page 2 (6.5 s) is the first dearer to compute than 5 s to load
     assert cost.pays_from_token(HOST) == 0
     assert dataclasses.replace(cost, attention_seconds_per_pair=0.0).pays_from_token(DISK) is None

@@ -122,7 +122,7 @@ def test_gap_ticket_computes_first_pages_while_last_load():
     gap = compute(h, tokens, 2, 5)  # while the tail loads
     ctrl.check_integrity()
     assert ctrl.wait_ticket(ticket) and not ticket.failed
-    check_pages(h, tokens, 7, ticket.tail_pages())
+    check_pages(h, tokens, 7, [p for n in ticket.part(ticket.gap[1], ticket.num_pages) for p in n.device_pages])
     with pytest.raises(ValueError, match="commit_gap"):
         ctrl.commit(ticket, tokens, gap)
     assert ctrl.commit_gap(ticket, tokens, gap) == gap  # adopted as the gap nodes' GPU copy
@@ -149,7 +149,7 @@ def test_gap_nodes_loaded_or_committed_by_another_request():
     gap_a, gap_b = compute(h, tokens, 2, 5), compute(h, tokens, 2, 4)
     ctrl.check_integrity()
     assert ctrl.commit_gap(b, tokens, gap_b) == gap_b
-    page_6 = b.tail_pages()[0] if b.gap else b.device_pages()[6]
+    page_6 = b.part(6, 7)[0].device_pages[0] if b.gap else b.device_pages()[6]
     assert ctrl.commit_gap(a, tokens, gap_a) == gap_b + [page_6]  # the tree's pages win; a's are freed
     assert not set(gap_a) & ctrl.commits.private and not set(gap_a) & set(ctrl.tree.owned_pages(DEVICE))
     ctrl.check_integrity()
