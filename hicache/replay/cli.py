@@ -60,8 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission-hits", type=int, help="disk admission: write a block after this many attempts")
     p.add_argument("--l3-admit", choices=ADMIT_MODES, help="which blocks the disk takes: reuse (likely to be read "
                    "again: hit, continuing a hit, computed twice) or all (cache.write_policy.l3_admit)")
-    p.add_argument("--load-mode", choices=("always", "auto", "never"), default="always",
-                   help="use every cached block (always, default), or let the cost model decide (auto)")
+    p.add_argument("--load-mode", choices=("always", "auto", "never"),
+                   help="load every cached block (always), let the cost model decide what is cheaper to load than "
+                        "to recompute (auto), or use GPU hits only (never); default: the config's "
+                        "(cache.load_policy.mode; the server's default is auto)")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (default: from the config's model)")
     p.add_argument("--prefill-tokens-per-s", type=float, help="prefill speed for the time-saved estimate")
     p.add_argument("--attention-ns-per-pair", type=float,
@@ -132,31 +134,32 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
                          args.l3_admit or preset.get("l3_admit", wp.l3_admit),
                          l3_host_share=1.0)  # I/O is instant here: no write waits for the disk, none need a cap
     lp = cfg.cache.load_policy
-    gbps = lambda flag, conf: (flag or conf) and (flag or conf) * 1e9  # noqa: E731
+    # one set of costs for the controller's decisions (mode auto) and for the report's prefill times: a value that
+    # neither a flag nor the config gives is the assumed default, and the report says so
+    prefill = args.prefill_tokens_per_s or lp.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
+    h2d = args.host_to_device_gbps or lp.host_to_device_gbps or DEFAULT_HOST_TO_DEVICE_GBPS
+    d2d = args.disk_to_device_gbps or lp.disk_to_device_gbps or DEFAULT_DISK_TO_DEVICE_GBPS
+    assumed = tuple(name for name, given in (
+        ("prefill_tokens_per_s", args.prefill_tokens_per_s or lp.prefill_tokens_per_s),
+        ("host_to_device_gbps", args.host_to_device_gbps or lp.host_to_device_gbps),
+        ("disk_to_device_gbps", args.disk_to_device_gbps or lp.disk_to_device_gbps)) if not given)
     return ReplaySetup(
         block_tokens, sizes.device_pages, sizes.host_pages, sizes.disk_pages, kv_per_token * block_tokens, policy,
         args.eviction_policy or preset.get("eviction_policy", cfg.cache.eviction_policy),
         preset.get("admission_hits", cfg.cache.l3.admission_hits) if args.admission_hits is None else
         args.admission_hits,
-        args.load_mode, args.prefill_tokens_per_s or lp.prefill_tokens_per_s,
-        gbps(args.host_to_device_gbps, lp.host_to_device_gbps), gbps(args.disk_to_device_gbps, lp.disk_to_device_gbps),
+        args.load_mode or lp.mode, prefill, h2d * 1e9, d2d * 1e9,
         attention_seconds_per_pair=1e-9 * (args.attention_ns_per_pair if args.attention_ns_per_pair is not None
                                            else lp.attention_ns_per_pair or 0.0),
+        assumed_costs=assumed,
     )
 
 
 def cost_inputs(setup: ReplaySetup) -> CostInputs:
-    assumed = []
-    prefill = setup.prefill_tokens_per_s
-    h2d = setup.host_to_device_bytes_per_s
-    d2d = setup.disk_to_device_bytes_per_s
-    if not prefill:
-        prefill, _ = DEFAULT_PREFILL_TOKENS_PER_S, assumed.append("prefill_tokens_per_s")
-    if not h2d:
-        h2d, _ = DEFAULT_HOST_TO_DEVICE_GBPS * 1e9, assumed.append("host_to_device_gbps")
-    if not d2d:
-        d2d, _ = DEFAULT_DISK_TO_DEVICE_GBPS * 1e9, assumed.append("disk_to_device_gbps")
-    return CostInputs(prefill, h2d, d2d, tuple(assumed))
+    """The costs the replay ran with, as the report states them."""
+    return CostInputs(setup.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
+                      setup.host_to_device_bytes_per_s or DEFAULT_HOST_TO_DEVICE_GBPS * 1e9,
+                      setup.disk_to_device_bytes_per_s or DEFAULT_DISK_TO_DEVICE_GBPS * 1e9, setup.assumed_costs)
 
 
 def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, window_ms: float,

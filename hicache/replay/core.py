@@ -50,6 +50,7 @@ class ReplaySetup:
     host_to_device_bytes_per_s: float | None = None
     disk_to_device_bytes_per_s: float | None = None
     attention_seconds_per_pair: float = 0.0  # CostModel: deeper blocks cost more to recompute
+    assumed_costs: tuple[str, ...] = ()  # cost inputs no flag or config gave (the report names them)
 
     def check(self) -> None:
         """Raise ReplayError for sizes the controller cannot run."""

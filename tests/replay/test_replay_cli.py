@@ -253,3 +253,23 @@ def test_an_agent_hash_id_that_is_neither_integer_nor_string_is_refused_by_name(
                                 "requests": [{"t": 0, "in": 128, "out": 4, "hash_ids": [1, [2]]}]}))
     assert main(["replay", str(path), "--no-progress"]) == 2
     assert "every hash id must be an integer or a string" in capsys.readouterr().err
+
+
+def test_the_report_prices_every_hit_with_the_costs_it_ran_with(tmp_path: Path) -> None:
+    """No prefill speed given: the assumed 10,000 tokens/s prices recomputing (400 tokens = 0.04 s) and the hits
+    alike, so what a loaded hit saves is recompute minus load and never negative; recompute-all is the trace's sum.
+    The header's policies are the server's defaults (load mode auto) when no config says otherwise."""
+    rows = [mooncake(i, [1, 2, 3, 4, 5] + [100 + i] * 5, bt=40) for i in range(6)]  # 400 tokens, a shared half
+    out = tmp_path / "r.json"
+    assert main(["replay", write(tmp_path / "t.jsonl", rows), "--block-tokens", "40", "--no-progress",
+                 "--device-tokens", "800", "--host-tokens", "4000", "--kv-bytes-per-token", "1000",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    pt = data["prefill_time"]
+    assert pt["recompute_all_s"] == pytest.approx(6 * 400 / 10_000)
+    assert "prefill_tokens_per_s" in pt["assumed"] and pt["prefill_tokens_per_s"] == 10_000
+    assert data["policies"]["load_mode"] == "auto"
+    assert sum(data["hit_blocks"].values()) > 0
+    for tier in ("device", "host", "disk"):
+        assert pt["saved_s"][tier] >= 0.0, tier
+    assert 0.0 < pt["total_saved_s"] < pt["recompute_all_s"]
