@@ -8,8 +8,8 @@
 # time limit, so the archive is written even when one of them hangs; where a whole workload would not fit one device
 # command (micro, kernels), PARTS runs some of its steps.
 #
-#   cudatests  the CUDA tests (engine, kernels, tiers, pinned memory, L3 round trip), and the engine smoke run eager and
-#              with CUDA graphs (the greedy digests must agree). TESTS [those test files]
+#   cudatests  the tests marked `cuda` (engine, kernels, tiers, pinned memory, L3 round trip), and the engine smoke run
+#              eager and with CUDA graphs (the greedy digests must agree). TESTS [tests]: narrow to some files
 #   micro      host <-> GPU page transfers against a raw pinned copy; engine prefill against a bare PyTorch stack; the
 #              L3 store against raw O_DIRECT (8 MiB pages, 32- and 128-page calls); the decode step; host pool
 #              pinning; the copy-engine queueing probe. PARTS [transfer prefill l3 decode pin copyq], PROFILE=1
@@ -53,6 +53,14 @@ base=${OUT:-./out}
 mkdir -p "$base"
 base=$(cd "$base" && pwd)
 cd "$(dirname "$0")/../.." || exit 1
+# the native loops (tiers/l3/native_io.c, hicache/replay/reuse_stack.c) are built at install; a checkout used
+# through PYTHONPATH builds them in place, else the L3 would run its slower Python loop
+# (the same compile as setup.py's, without needing its setuptools)
+for lib in tiers/l3/_native_io:tiers/l3/native_io.c hicache/replay/_reuse_stack:hicache/replay/reuse_stack.c; do
+  if ! ls "${lib%%:*}"*.so >/dev/null 2>&1; then
+    cc -O2 -shared -fPIC -o "${lib%%:*}.so" "${lib#*:}" || echo "run.sh: ${lib#*:} did not build (no C compiler?)" >&2
+  fi
+done
 # results go to $OUT/$workload (serve_and_bench.sh and the clients write into $OUT), packed into one archive at exit
 export OUT=$base/$workload
 rm -rf "$OUT"
