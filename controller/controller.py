@@ -77,7 +77,7 @@ class TierController:
         copier = copier if copier is not None else InstantCopier()
         self.launch_later = launch_later and not isinstance(copier, InstantCopier)
         # a copier launched later is one of the tiers' fenced copiers (tiers.copy.FencedCopier)
-        self.copier: Any = LaunchLater(cast(FencedCopier, copier)) if self.launch_later else copier
+        self.copier: Copier = LaunchLater(cast(FencedCopier, copier)) if self.launch_later else copier
         self.worker: Worker = l3_worker if l3_worker is not None else L3Worker(l3) if l3 is not None else NO_WORKER
         self.page_size = tree.page_size
         self.page_bytes = device.page_bytes
