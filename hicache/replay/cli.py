@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "to recompute (auto), or use GPU hits only (never); default: the config's "
                         "(cache.load_policy.mode; the server's default is auto)")
     p.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (default: from the config's model)")
+    p.add_argument("--calibration", metavar="SOURCE",
+                   help="price with a running server's measured costs: its /metrics text saved to a file, or its "
+                        "address (http://HOST:PORT); flags below override them")
     p.add_argument("--prefill-tokens-per-s", type=float, help="prefill speed for the time-saved estimate")
     p.add_argument("--attention-ns-per-pair", type=float,
                    help="load mode auto: prefill ns per (token, earlier token) pair, so deep blocks cost more to "
@@ -209,6 +212,10 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of `hicache replay`; 0 on success, 2 on bad input."""
     try:
         cfg = load_config(args.config)
+        if args.calibration:
+            from hicache.replay.calibration import apply_calibration, read_calibration
+
+            cfg = apply_calibration(cfg, read_calibration(args.calibration))
         grid = parse_sweep(args.sweep)
         if args.plot and not grid:
             raise ValueError("--plot needs --sweep")

@@ -273,3 +273,34 @@ def test_the_report_prices_every_hit_with_the_costs_it_ran_with(tmp_path: Path) 
     for tier in ("device", "host", "disk"):
         assert pt["saved_s"][tier] >= 0.0, tier
     assert 0.0 < pt["total_saved_s"] < pt["recompute_all_s"]
+
+
+def test_calibration_from_a_servers_metrics_prices_the_replay(tmp_path: Path, capsys) -> None:
+    """A server's /metrics (rendered here by the server's own metrics code) fixes the replay's costs: prefill speed,
+    attention per pair and the two bandwidths, none of them assumed; a flag still wins; a file with no cost
+    metrics, or a server that does not answer, is an error naming the source."""
+    from hicache.server.metrics import ServerMetrics
+
+    cost = {"prefill_tokens_per_s": 20_000.0, "attention_ns_per_pair": 0.5, "host_to_device_gbps": 50.0,
+            "disk_to_device_gbps": 2.0}
+    metrics = tmp_path / "server.metrics"
+    metrics.write_bytes(ServerMetrics(1000).render({"cost_model": cost}, None))
+    rows = [mooncake(i, [1, 2, 3, 4, 5] + [100 + i] * 5, bt=40) for i in range(6)]
+    trace, out = write(tmp_path / "t.jsonl", rows), tmp_path / "r.json"
+    common = ["replay", trace, "--block-tokens", "40", "--no-progress", "--device-tokens", "800",
+              "--kv-bytes-per-token", "1000", "--json", str(out), "--calibration", str(metrics)]
+    assert main(common) == 0
+    pt = json.loads(out.read_text())["prefill_time"]
+    assert pt["assumed"] == [] and pt["prefill_tokens_per_s"] == 20_000.0 and pt["attention_ns_per_pair"] == 0.5
+    assert pt["host_to_device_gbps"] == 50.0 and pt["disk_to_device_gbps"] == 2.0
+    tokens = 400
+    assert pt["recompute_all_s"] == pytest.approx(6 * (tokens / 20_000 + 0.5e-9 * tokens * (tokens - 1) / 2))
+    assert main([*common, "--prefill-tokens-per-s", "5000"]) == 0
+    assert json.loads(out.read_text())["prefill_time"]["prefill_tokens_per_s"] == 5000.0
+    empty = tmp_path / "other.metrics"
+    empty.write_text("# HELP up up\n# TYPE up gauge\nup 1\n")
+    capsys.readouterr()
+    assert main([*common[:-1], str(empty)]) == 2
+    assert "no hicache_cost_* metrics" in capsys.readouterr().err
+    assert main([*common[:-1], "http://127.0.0.1:1"]) == 2
+    assert "cannot read the server's metrics" in capsys.readouterr().err
