@@ -31,6 +31,7 @@ class TreeNode:
         "frequency",
         "id",
         "group",
+        "num_pages",
     )
 
     _ids = itertools.count()
@@ -42,6 +43,7 @@ class TreeNode:
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.tokens = tokens
         self.keys = keys  # chained content hash per page: the page's L3 key
+        self.num_pages = len(keys)  # kept equal to len(keys) (the tree's split changes both)
         self.loc: list[list[Any] | None] = [None, None, None]  # per tier index: page ids / keys
         self.tier_children = [0, 0, 0]  # children resident in each tier
         self.lock_ref = 0
@@ -50,10 +52,6 @@ class TreeNode:
         self.hit_count = 0
         self.frequency = 0.0  # references, decayed to last_access (the "lrfu" policy); see RadixTree.touch
         self.id = next(TreeNode._ids)
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.keys)
 
     def pages(self, tier: str) -> list[Any] | None:
         """Page ids of this node in `tier` (L3 keys for the disk tier), or None."""

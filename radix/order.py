@@ -114,17 +114,15 @@ class EvictionOrder:
         passed = []
         found = None
         while heap:
-            prio, _, node = heapq.heappop(heap)
-            self._entries[ti] -= 1
-            if node not in leaves or prio != priority(node) or held(node, ti):
-                continue  # stale entry; locked and pinned nodes are pushed again on unlock / unpin
-            if skip is not None and skip(node):
+            prio, _, node = heap[0]
+            if node in leaves and prio == priority(node) and not held(node, ti):
+                if skip is None or not skip(node):
+                    found = (prio, node)  # left at the top: it stays a candidate until cleared
+                    break
                 passed.append(node)
-                continue
-            found = (prio, node)
-            heapq.heappush(heap, (prio, next(self._seq), node))  # stays a candidate until cleared
-            self._entries[ti] += 1
-            break
+            # else a stale entry; locked and pinned nodes are pushed again on unlock / unpin
+            heapq.heappop(heap)
+            self._entries[ti] -= 1
         for node in passed:
             self.push(ti, node)
         return found

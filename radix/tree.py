@@ -242,6 +242,7 @@ class RadixTree:
         mid.frequency = child.frequency
         child.tokens = child.tokens[k * ps :]
         child.keys = child.keys[k:]
+        child.num_pages = len(child.keys)
         child.loc = [None if p is None else p[k:] for p in child.loc]
         assert parent is not None
         parent.children[mid.tokens[:ps]] = mid
