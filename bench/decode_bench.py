@@ -24,9 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hicache.engine import ForwardBatch, fused_ops, load_model  # noqa: E402
+from hicache.engine import ForwardBatch, load_model  # noqa: E402
 from hicache.engine.attention import paged_attention, plan_attention  # noqa: E402
 from hicache.engine.cuda_graph import DecodeGraphs  # noqa: E402
+from hicache.engine.kernels import fused as fused_ops  # noqa: E402
 
 
 def eager_step(model, kv, page_size: int, ids: list[int], positions: list[int], tables: list[list[int]]):

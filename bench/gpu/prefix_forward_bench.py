@@ -23,8 +23,9 @@ import time
 
 import torch
 
+from hicache.engine import load_model
 from hicache.engine.kernels import fused as fused_ops
-from hicache.engine.kernels import load_model, prefill_kernel
+from hicache.engine.kernels import prefill as prefill_kernel
 from hicache.engine.model import ForwardBatch
 
 PATHS = ("tma", "plain", "sdpa", "unfused")
