@@ -290,32 +290,34 @@ class Engine:
         if not done:
             return []
         rows, reqs = [i for i, _ in done], [req for _, req in done]
-        if any(req.num_output < req.params.min_tokens for req in reqs):
-            logits = self._hold_stops(logits, done)
+        picked = logits[rows]  # a copy (advanced indexing): masking it leaves the forward's buffer alone
+        self._hold_stops(picked, reqs)
         try:
-            chosen = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs])
+            chosen = sample(picked, [r.params for r in reqs], [r.generator for r in reqs])
         except Exception:  # noqa: BLE001 - find the row: one request's parameters must not fail the others
             out: list[int | Exception] = []
-            for row, req in done:
+            for j, req in enumerate(reqs):
                 try:
-                    out += self._download(sample(logits[[row]], [req.params], [req.generator]))
+                    out += self._download(sample(picked[[j]], [req.params], [req.generator]))
                 except Exception as e:  # noqa: BLE001
                     out.append(e)
             return out
         return self._download(chosen)
 
-    def _hold_stops(self, logits: torch.Tensor, done: list[tuple[int, Request]]) -> torch.Tensor:
-        """`logits` with the stop ids (EOS unless ignore_eos, and stop_token_ids) of requests short of their
-        min_tokens set to -inf, so they cannot be sampled (a copy: the forward's buffer may be a CUDA graph's)."""
-        logits = logits.clone()
+    def _hold_stops(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """Set, in place and in one write, the logits of the stop ids (EOS unless ignore_eos, and stop_token_ids)
+        to -inf in the rows of requests short of their min_tokens, so that they cannot be sampled."""
         vocab = logits.shape[-1]
-        for row, req in done:
+        row_ids: list[int] = []
+        token_ids: list[int] = []
+        for j, req in enumerate(reqs):
             p = req.params
             if req.num_output < p.min_tokens:
                 banned = [t for t in {*p.stop_token_ids, *(() if p.ignore_eos else self.eos_ids)} if t < vocab]
-                if banned:
-                    logits[row, banned] = float("-inf")
-        return logits
+                row_ids += [j] * len(banned)
+                token_ids += banned
+        if token_ids:
+            logits[row_ids, token_ids] = float("-inf")
 
     def _forward(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
         ps = self.page_size
