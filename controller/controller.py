@@ -142,8 +142,7 @@ class TierController:
 
     def match(self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE) -> MatchResult:
         """Longest cached prefix of tokens in `namespace`, extended by an L3 index probe past the in-memory tree."""
-        base = self.tree.namespaces.get(namespace.id, namespace.group) if namespace.id is not None else None
-        return self.lookup.match(tokens, base)
+        return self.lookup.match(tokens, self.tree.namespaces.get(namespace.id, namespace.group))
 
     def set_shares(self, shares: dict[int, float]) -> None:
         """Give share groups (tenants) a fraction of every tier's capacity: a tier that must make room takes it

@@ -379,10 +379,10 @@ def _replace_path(obj: Any, parts: list[str], value: Any, key: str, source: str)
     names = {f.name for f in dataclasses.fields(obj)}
     if parts[0] not in names:
         raise ConfigError(f"{source}: unknown key {key!r}")
-    prefix = key.rsplit(".", len(parts))[0] if len(key.split(".")) > len(parts) else ""
     if len(parts) == 1:
         tp = typing.get_type_hints(type(obj))[parts[0]]
-        return _construct(type(obj), {parts[0]: _convert(value, tp, key, source)}, prefix, source, obj)
+        return _construct(type(obj), {parts[0]: _convert(value, tp, key, source)}, key.rpartition(".")[0], source,
+                          obj)
     child = getattr(obj, parts[0])
     return dataclasses.replace(obj, **{parts[0]: _replace_path(child, parts[1:], value, key, source)})
 

@@ -139,13 +139,12 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
     lp = cfg.cache.load_policy
     # one set of costs for the controller's decisions (mode auto) and for the report's prefill times: a value that
     # neither a flag nor the config gives is the assumed default, and the report says so
-    prefill = args.prefill_tokens_per_s or lp.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
-    h2d = args.host_to_device_gbps or lp.host_to_device_gbps or DEFAULT_HOST_TO_DEVICE_GBPS
-    d2d = args.disk_to_device_gbps or lp.disk_to_device_gbps or DEFAULT_DISK_TO_DEVICE_GBPS
-    assumed = tuple(name for name, given in (
-        ("prefill_tokens_per_s", args.prefill_tokens_per_s or lp.prefill_tokens_per_s),
-        ("host_to_device_gbps", args.host_to_device_gbps or lp.host_to_device_gbps),
-        ("disk_to_device_gbps", args.disk_to_device_gbps or lp.disk_to_device_gbps)) if not given)
+    defaults = {"prefill_tokens_per_s": DEFAULT_PREFILL_TOKENS_PER_S,
+                "host_to_device_gbps": DEFAULT_HOST_TO_DEVICE_GBPS,
+                "disk_to_device_gbps": DEFAULT_DISK_TO_DEVICE_GBPS}
+    given = {name: getattr(args, name) or getattr(lp, name) for name in defaults}
+    prefill, h2d, d2d = (given[name] or default for name, default in defaults.items())
+    assumed = tuple(name for name in defaults if not given[name])
     return ReplaySetup(
         block_tokens, sizes.device_pages, sizes.host_pages, sizes.disk_pages, kv_per_token * block_tokens, policy,
         args.eviction_policy or preset.get("eviction_policy", cfg.cache.eviction_policy),

@@ -69,9 +69,6 @@ class Tenants:
     def __init__(self, tenants: Sequence[Tenant], open_access: bool):
         self.tenants = list(tenants)
         self.open_access = open_access  # no key at all: every request is the default tenant
-        names = [t.name for t in self.tenants]
-        if len(set(names)) != len(names):
-            raise TenantsError(f"tenant names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")
         self._keys = [(key, t) for t in self.tenants for key in t.keys]
 
     @classmethod
