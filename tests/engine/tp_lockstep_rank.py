@@ -141,10 +141,15 @@ def leader(config_path: str, out_path: str, scenario: str = "full") -> int:
         # a filler takes the GPU pool: the shared prefix stays in host memory
         result["fillers"] = generate(engine, FILLERS[:1], 2)
         result["host"] = generate(engine, [SHARED], 6)[0]
+        # the hit queued L3 writes of the prefix and its continuation; while one is in flight its pages, and the
+        # ancestors above them, stay in host memory, so where the fillers leave the prefix would depend on how
+        # fast the disk is: every write lands first
+        settle_io(engine)
         # two take the GPU and host pools: the shared prefix stays on disk
         result["fillers"] += generate(engine, FILLERS[1:3], 2)
         settle_io(engine)
         result["disk"] = generate(engine, [SHARED], 6)[0]
+        settle_io(engine)
         result["fillers"] += generate(engine, FILLERS[3:5], 2)
         settle_io(engine)
         failures = engine.stats()["cache"]["load_failures"]
@@ -154,6 +159,7 @@ def leader(config_path: str, out_path: str, scenario: str = "full") -> int:
             result["corrupted_bytes"] = corrupt_rank_store(l3_directory(cfg, 1))
         result["failed_read"] = generate(engine, [SHARED], 6)[0]
         result["load_failures"] = engine.stats()["cache"]["load_failures"] - failures
+        settle_io(engine)
         result["fillers"] += generate(engine, FILLERS[5:7], 2)
         settle_io(engine)
         prefetched = engine.stats()["cache"]["prefetched_pages"]
