@@ -45,6 +45,9 @@ IDLE_WAIT_SLACK = 0.25
 # a queued request's prefix is matched again this often for prefetch: pages that were in host memory when it
 # arrived (nothing to read then) may have left for the disk while it waits
 PREFETCH_RECHECK_S = 0.25
+# only the next requests to be admitted, at most this many, ask again: those further back ask once they come near
+# (a queue of thousands would otherwise cost a prefix match per request every PREFETCH_RECHECK_S)
+PREFETCH_RECHECK_FRONT = 8
 
 
 class Scheduler:
@@ -70,6 +73,7 @@ class Scheduler:
         self._admissions = itertools.count()
         self._starved = False  # ran out of GPU pages: admit nothing new until a request leaves
         self.preemptions = 0
+        self._fresh = 0  # waiting requests that have not asked for a prefetch yet
         self.clock = time.monotonic  # deadlines for disk reads (replaceable in tests)
 
     # ------------------------------------------------------------------ queues
@@ -77,6 +81,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a new request."""
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+        self._fresh += not req.prefetched
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.loading or self.running or self.draining)
@@ -85,6 +90,7 @@ class Scheduler:
         """Take a request out of the scheduler (finish or abort), committing and freeing its pages."""
         if req.status is Status.WAITING:
             self.waiting.remove(req)
+            self._fresh -= not req.prefetched
             self._release_prefetch(req)
         elif req.status is Status.LOADING:
             self.loading.remove(req)
@@ -238,6 +244,7 @@ class Scheduler:
             if (self.running or self.loading) and reserved + need > capacity:
                 break  # wait for pages rather than thrash; a request alone is always admitted
             req = self.waiting.pop(0)
+            self._fresh -= not req.prefetched
             req.admitted_seq = next(self._admissions)
             self._acquire(req)
             backlog += len(req.token_ids) - req.computed - 1
@@ -246,19 +253,28 @@ class Scheduler:
     def _prefetch(self) -> None:
         """Send queued requests' disk-only prefix pages towards host memory, front of the queue first.
 
-        A request whose prefetch stopped for lack of host room (cache.load_policy.prefetch_host_share) asks again on
-        later steps, going on where it stopped, and the requests behind it wait their turn: room that admissions
-        free goes to the next request to be admitted, not to whoever arrives next. Every PREFETCH_RECHECK_S a
-        request asks again anyway: its pages that were in memory when it arrived may have gone to disk since.
+        A request asks once when it first waits. One whose prefetch stopped for lack of host room
+        (cache.load_policy.prefetch_host_share) asks again on later steps, going on where it stopped, and the requests
+        behind it wait their turn: room that admissions free goes to the next request to be admitted, not to whoever
+        arrives next. The next PREFETCH_RECHECK_FRONT requests to be admitted also ask again every PREFETCH_RECHECK_S:
+        their pages that were in memory when they arrived may have gone to disk since. Those further back ask again
+        once they come near the front, so a long queue costs a step a match per request that is new or near
+        admission, not a match per request queued.
         """
         if not self.ctrl.loads.prefetch_enabled:
             return
         now = self.clock()
-        for req in self.waiting:
+        front = min(self.max_running, PREFETCH_RECHECK_FRONT)
+        for i, req in enumerate(self.waiting):
             hold = req.prefetch_hold
-            if req.prefetched and (hold is None or not hold.short) and now - req.prefetched_at < PREFETCH_RECHECK_S:
-                continue
-            req.prefetched = True
+            if req.prefetched and (hold is None or not hold.short):
+                if i >= front and self._fresh == 0:
+                    break  # every request behind has asked, and none is near admission
+                if i >= front or now - req.prefetched_at < PREFETCH_RECHECK_S:
+                    continue
+            if not req.prefetched:
+                req.prefetched = True
+                self._fresh -= 1
             req.prefetched_at = now
             limit = (len(req.token_ids) - 1) // self.page_size
             req.prefetch_hold = self.ctrl.prefetch(req.token_ids, max_pages=limit, hold=hold, namespace=req.namespace)
@@ -308,7 +324,7 @@ class Scheduler:
         recompute, landing = self.ctrl.pending_reads(req.ticket)
         wait = recompute
         if wait != float("inf"):
-            backlog = sum(cost.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
+            backlog = self.prefill_backlog_seconds()
             wait += backlog
             if admitted and landing > wait and self._give_up_reads(req):
                 # reads it rides (a prefetch) are further behind than the GPU would take: compute at once
@@ -321,6 +337,12 @@ class Scheduler:
                 # recomputing would cost twice that)
                 wait = min(wait, max(landing, 0.0) + IDLE_WAIT_SLACK * recompute)
         req.load_deadline = self.clock() + wait
+
+    def prefill_backlog_seconds(self) -> float:
+        """Seconds of prefill the running requests still have to do, by the cost model: how long the GPU takes to
+        get to a request that waits for its reads."""
+        cost = self.ctrl.cost
+        return sum(cost.prefill_seconds(r.computed, len(r.token_ids)) for r in self.running)
 
     def _give_up_reads(self, req: Request) -> bool:
         """req passed its deadline: stop waiting for its disk reads (they land in host memory for later) and run
@@ -425,6 +447,7 @@ class Scheduler:
         req.preemptions += 1
         self.preemptions += 1
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
+        self._fresh += not req.prefetched
 
     def _commit(self, req: Request) -> None:
         """Insert req's newly filled pages into the tree; adopt the canonical page ids it returns.

@@ -2,7 +2,8 @@
 
 `hicache serve` times its prefill (and the attention cost per token of context) at startup and follows the disk's
 measured reads; /metrics exports what its cost model uses now (`hicache_cost_prefill_tokens_per_second`,
-`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`). SOURCE is that text saved to a file
+`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`) and what its decode-only steps took
+(`hicache_cost_decode_step_seconds`, `hicache_cost_decode_seconds_per_sequence`: the time model's decode costs). SOURCE is that text saved to a file
 (`curl -s http://HOST:PORT/metrics > server.metrics`) or the server's address. The values fold into the config's
 `cache.load_policy`, so a replay's load-or-recompute decisions and its prefill times use the server's own numbers;
 flags still override them. A 0 in the metrics means unknown and is left out.
@@ -26,6 +27,12 @@ class Calibration:
     attention_ns_per_pair: float | None = None
     host_to_device_gbps: float | None = None
     disk_to_device_gbps: float | None = None
+    # what its decode-only steps took (a fit of step time against sequences): for the time model, not the config
+    decode_step_s: float | None = None
+    decode_seq_s: float | None = None
+
+
+LOAD_POLICY_FIELDS = ("prefill_tokens_per_s", "attention_ns_per_pair", "host_to_device_gbps", "disk_to_device_gbps")
 
 
 def read_calibration(source: str) -> Calibration:
@@ -61,17 +68,22 @@ def parse_calibration(text: str, source: str = "<metrics>") -> Calibration:
                     values["attention_ns_per_pair"] = s.value
                 elif s.name == "hicache_cost_load_gbps" and s.labels.get("tier") in ("host", "disk"):
                     values[f"{s.labels['tier']}_to_device_gbps"] = s.value
+                elif s.name == "hicache_cost_decode_step_seconds":
+                    values["decode_step_s"] = s.value
+                elif s.name == "hicache_cost_decode_seconds_per_sequence":
+                    values["decode_seq_s"] = s.value
     except ValueError as e:
         raise ReplayError(f"--calibration {source}: not Prometheus text: {e}") from None
     if not values:
         raise ReplayError(f"--calibration {source}: no hicache_cost_* metrics in it (is it a hicache server's "
                           "/metrics?)")
-    known = {k: v for k, v in values.items() if v > 0 or (k == "attention_ns_per_pair" and v == 0)}
+    zero_known = ("attention_ns_per_pair", "decode_seq_s")  # 0 is a measured value for these
+    known = {k: v for k, v in values.items() if v > 0 or (k in zero_known and v == 0)}
     return Calibration(**known)
 
 
 def apply_calibration(cfg: Any, cal: Calibration) -> Any:
     """cfg with the calibration's known values as its cache.load_policy costs."""
-    given = {k: v for k, v in dataclasses.asdict(cal).items() if v is not None}
+    given = {k: v for k, v in dataclasses.asdict(cal).items() if v is not None and k in LOAD_POLICY_FIELDS}
     lp = dataclasses.replace(cfg.cache.load_policy, **given)
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, load_policy=lp))

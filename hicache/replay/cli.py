@@ -9,7 +9,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controller import WritePolicy
 from controller.policy import WRITE_POLICIES
@@ -19,10 +19,13 @@ from hicache.modelinfo import model_shape, resolve_dtype
 from hicache.replay.agent import is_agent_trace, read_agent_sessions
 from hicache.replay.core import Replayer, ReplayError, ReplaySetup
 from hicache.replay.reuse import ReuseProfile, stack_depths
-from hicache.replay.summary import CostInputs, format_table, summarize
+from hicache.replay.summary import CostInputs, format_table, summarize, time_summary
 from hicache.replay.sweep import parse_sweep, plot_sweep, run_sweep
 from hicache.replay.trace import TRACE_LOG, Trace, TraceError, read_trace
 from radix import DEVICE, EVICTION_POLICIES, TIERS
+
+if TYPE_CHECKING:
+    from hicache.replay.simulate import TimeSetup
 
 # Cost-model values used when neither a flag nor the config gives one (reported as assumed).
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
@@ -79,9 +82,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="fail on the first bad trace line (default: skip)")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--json", metavar="OUT", help="write the figures as JSON")
-    p.add_argument("--sweep", action="append", default=[], metavar="TIER=A,B,C",
-                   help="sweep a tier's capacity (tokens; k/M suffixes); repeat for a grid")
-    p.add_argument("--plot", metavar="OUT.png", help="with --sweep: plot hit rate per tier against capacity")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=A,B,C",
+                   help="sweep a tier's capacity (device, host, disk: tokens with k/M/G, or bytes with GiB/GB...) "
+                        "or a bandwidth in GB/s (host_gbps, disk_gbps, disk_write_gbps); repeat for a grid")
+    p.add_argument("--plot", metavar="OUT.png", help="with --sweep: plot hit rates, and the predicted TTFT and "
+                                                     "duration, against the last swept key")
+    t = p.add_argument_group("time model (docs/replay.md)")
+    t.add_argument("--no-time", action="store_true",
+                   help="hits only: replay requests one after another to completion, no clock (faster; exact "
+                        "against an LRU model)")
+    t.add_argument("--decode-step-ms", type=float, help="a decode-only step's time without its sequences' share "
+                                                        "(default: the calibration's, else 10 ms, assumed)")
+    t.add_argument("--decode-seq-ms", type=float, help="each decoding sequence's share of a step (default: the "
+                                                       "calibration's, else 0)")
+    t.add_argument("--disk-write-gbps", type=float, help="disk write bandwidth, GB/s (default: the read bandwidth)")
+    t.add_argument("--output-length", type=int, default=16,
+                   help="agent sessions: answer tokens at most, as `hicache bench agent` sends them (default 16)")
+    t.add_argument("--think-scale", type=float, default=0.0,
+                   help="agent sessions: wait think_time x this before each turn (default 0, as bench agent)")
+    t.add_argument("--max-think", type=float, default=60.0, help="agent sessions: cap on that wait (s)")
+    t.add_argument("--concurrency", type=int, help="agent sessions in flight at most (default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -109,8 +129,9 @@ POLICY_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_token: int,
-               tokens: dict[str, int | None]) -> ReplaySetup:
-    """Tier sizes in blocks (flags or sweep values in tokens over the config) and the policies."""
+               tokens: dict[str, int | None], rates: dict[str, float] | None = None) -> ReplaySetup:
+    """Tier sizes in blocks (flags or sweep values in tokens over the config), the policies and the costs (`rates`:
+    swept bandwidths in GB/s, over the flags)."""
     cache = dataclasses.replace(cfg.cache, page_size=block_tokens)
     for tier in ("device", "host"):
         if tokens.get(tier) is not None:
@@ -135,14 +156,17 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
                          args.write_host_to_disk or preset.get("host_to_disk", wp.host_to_disk),
                          args.selective_hits or wp.selective_hits, defer,
                          args.l3_admit or preset.get("l3_admit", wp.l3_admit),
-                         l3_host_share=1.0)  # I/O is instant here: no write waits for the disk, none need a cap
+                         # without the clock I/O is instant: no write waits for the disk, none needs a cap
+                         l3_host_share=1.0 if args.no_time else wp.l3_host_share)
     lp = cfg.cache.load_policy
     # one set of costs for the controller's decisions (mode auto) and for the report's prefill times: a value that
     # neither a flag nor the config gives is the assumed default, and the report says so
     defaults = {"prefill_tokens_per_s": DEFAULT_PREFILL_TOKENS_PER_S,
                 "host_to_device_gbps": DEFAULT_HOST_TO_DEVICE_GBPS,
                 "disk_to_device_gbps": DEFAULT_DISK_TO_DEVICE_GBPS}
-    given = {name: getattr(args, name) or getattr(lp, name) for name in defaults}
+    rates = rates or {}
+    swept = {"host_to_device_gbps": rates.get("host_gbps"), "disk_to_device_gbps": rates.get("disk_gbps")}
+    given = {name: swept.get(name) or getattr(args, name) or getattr(lp, name) for name in defaults}
     prefill, h2d, d2d = (given[name] or default for name, default in defaults.items())
     assumed = tuple(name for name in defaults if not given[name])
     return ReplaySetup(
@@ -157,6 +181,47 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
     )
 
 
+DEFAULT_DECODE_STEP_MS = 10.0  # a decode-only step of an 8B model on one H200 at small batch
+
+
+def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibration: Any = None,
+               rates: dict[str, float] | None = None) -> tuple[TimeSetup, tuple[str, ...]]:
+    """The time model's own inputs: decode costs (flags, else the calibration, else assumed), the disk's write
+    bandwidth, and the server's scheduler and prefetch settings from the config; with the names of those assumed."""
+    from hicache.replay.simulate import TimeSetup
+
+    rates = rates or {}
+    assumed = []
+    step_ms = args.decode_step_ms
+    if step_ms is None and calibration is not None and calibration.decode_step_s is not None:
+        step_ms = calibration.decode_step_s * 1e3
+    if step_ms is None:
+        step_ms = DEFAULT_DECODE_STEP_MS
+        assumed.append("decode_step_ms")
+    seq_ms = args.decode_seq_ms
+    if seq_ms is None and calibration is not None and calibration.decode_seq_s is not None:
+        seq_ms = calibration.decode_seq_s * 1e3
+    for name, value in (("--decode-step-ms", step_ms), ("--decode-seq-ms", seq_ms), ("--think-scale", args.think_scale),
+                        ("--max-think", args.max_think)):
+        if value is not None and not value >= 0:
+            raise ReplayError(f"{name} must be >= 0, got {value}")
+    if args.output_length < 1 or (args.concurrency is not None and args.concurrency < 1):
+        raise ReplayError("--output-length and --concurrency must be >= 1")
+    write = rates.get("disk_write_gbps") or args.disk_write_gbps or rates.get("disk_gbps")
+    if write is not None and not write > 0:
+        raise ReplayError(f"--disk-write-gbps must be > 0, got {write}")
+    sc, lp = cfg.scheduler, cfg.cache.load_policy
+    page = cfg.cache.page_size
+    return TimeSetup(
+        decode_step_s=step_ms * 1e-3, decode_seq_s=(seq_ms or 0.0) * 1e-3,
+        disk_write_bytes_per_s=None if write is None else write * 1e9,
+        max_running=sc.max_running_requests, chunk_tokens=sc.chunk_tokens, batch_tokens=sc.prefill_batch_tokens,
+        admit_during_forward=sc.admit_during_forward, overlap=lp.overlap, prefetch=lp.prefetch,
+        prefetch_host_share=lp.prefetch_host_share,
+        l3_queue_pages=max(1, cfg.cache.l3.queue_pages * page // block_tokens),
+    ), tuple(assumed)
+
+
 def cost_inputs(setup: ReplaySetup) -> CostInputs:
     """The costs the replay ran with, as the report states them."""
     return CostInputs(setup.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S,
@@ -164,43 +229,85 @@ def cost_inputs(setup: ReplaySetup) -> CostInputs:
                       setup.disk_to_device_bytes_per_s or DEFAULT_DISK_TO_DEVICE_GBPS * 1e9, setup.assumed_costs)
 
 
+def _disk_stats(rep: Any) -> dict[str, int] | None:
+    s = rep.store
+    if s is None:
+        return None
+    return {"pages_written": s.pages_written, "pages_read": s.pages_read, "deleted_unread": s.deleted_unread,
+            "unread_at_end": s.unread_pages(), "not_admitted": s.not_admitted,
+            "not_reused": rep.controller.stats.drops["not_reused"] if hasattr(rep, "controller")
+            else rep.ctrl.stats.drops["not_reused"]}
+
+
 def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, window_ms: float,
-                progress: bool) -> dict[str, Any]:
-    """Replay the trace with one setup; the summary dict with timing."""
+                progress: bool, timing: tuple[TimeSetup, tuple[str, ...]] | None = None,
+                sessions: list[Any] | None = None, args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """Replay the trace with one setup; the summary dict with timing. `timing`: run on the clock (the time model),
+    agent `sessions` closed-loop, other traces at their timestamps."""
     from tqdm import tqdm
 
-    rep = Replayer(setup)
     start = time.perf_counter()
-    with tqdm(total=trace.blocks, unit="block", unit_scale=True, file=sys.stderr, disable=not progress,
-              desc="replay", leave=False) as bar:
-        totals = rep.run(trace.records, reuse, server_log=trace.format == TRACE_LOG, progress=bar.update)
+    if timing is not None:
+        from hicache.replay.simulate import TimedReplay, closed_loop, open_loop
+
+        timed = TimedReplay(setup, timing[0])
+        if sessions is not None:
+            assert args is not None
+            closed_loop(timed, sessions, args.output_length, args.think_scale, args.max_think, args.concurrency)
+        else:
+            open_loop(timed, trace.records)
+        result = timed.run()
+        totals = timed.totals
+        if timed.worker is not None:
+            totals.disk_reads = list(timed.worker.reads)
+        if reuse is not None and sessions is None:
+            for req in result.requests:
+                if req.disk_positions:
+                    depths, ages = reuse.depths[req.record], reuse.ages_ms[req.record]
+                    totals.disk_hit_depths.extend(depths[p] for p in req.disk_positions)
+                    totals.disk_hit_ages_ms.extend(ages[p] for p in req.disk_positions)
+        disk_stats = _disk_stats(timed)
+    else:
+        rep = Replayer(setup)
+        with tqdm(total=trace.blocks, unit="block", unit_scale=True, file=sys.stderr, disable=not progress,
+                  desc="replay", leave=False) as bar:
+            totals = rep.run(trace.records, reuse, server_log=trace.format == TRACE_LOG, progress=bar.update)
+        disk_stats = _disk_stats(rep)
     elapsed = time.perf_counter() - start
-    disk_stats = None
-    if rep.store is not None:
-        s = rep.store
-        disk_stats = {"pages_written": s.pages_written, "pages_read": s.pages_read, "deleted_unread": s.deleted_unread,
-                      "unread_at_end": s.unread_pages(), "not_admitted": s.not_admitted,
-                      "not_reused": rep.controller.stats.drops["not_reused"]}
     summary = summarize(totals, setup, cost_inputs(setup), reuse, disk_stats, window_ms)
+    if timing is not None:
+        summary["time"] = time_summary(result, timing[0], timing[1])
     summary["replay_seconds"] = elapsed
     summary["blocks_per_s"] = totals.blocks / elapsed if elapsed > 0 else None
     return summary
 
 
-def _sweep_table(points: list[dict]) -> str:
-    head = f"{'device':>12}{'host':>12}{'disk':>12}{'GPU':>8}{'host':>8}{'disk':>8}{'total':>8}{'disk rd GiB':>13}"
-    lines = ["capacities in tokens; hit rates as % of blocks", head]
+def _sweep_table(points: list[dict], keys: list[str]) -> str:
+    """One line per grid point: capacities (tokens), swept bandwidths, hit rates, disk reads and, timed, the
+    predicted duration and TTFT."""
+    rates = [k for k in keys if k not in TIERS]
+    timed = any("time" in p for p in points)
+    head = (f"{'device':>12}{'host':>12}{'disk':>12}" + "".join(f"{k:>16}" for k in rates)
+            + f"{'GPU':>8}{'host':>8}{'disk':>8}{'total':>8}{'disk rd GiB':>13}")
+    if timed:
+        head += f"{'duration s':>12}{'TTFT mean':>11}{'p50':>8}{'p90':>8}"
+    lines = ["capacities in tokens, bandwidths in GB/s; hit rates as % of blocks; times predicted, in seconds", head]
     for p in points:
         t = p.get("tiers")
-        sizes = [t[k]["tokens"] for k in TIERS] if t else [p["sizes_tokens"].get(k, "-")
-                                                                             for k in TIERS]
-        cells = "".join(f"{s:>12,}" if isinstance(s, int) else f"{s:>12}" for s in sizes)
+        sizes = [t[k]["tokens"] for k in TIERS] if t else [p["sweep"].get(k, "-") for k in TIERS]
+        cells = "".join(f"{s:>12,.0f}" if isinstance(s, (int, float)) else f"{s:>12}" for s in sizes)
+        cells += "".join(f"{p['sweep'][k]:>16g}" for k in rates)
         if "skipped" in p:
             lines.append(f"{cells}  skipped: {p['skipped']}")
             continue
         rd = p.get("disk", {}).get("bytes_read", 0) / (1 << 30)
-        lines.append(cells + "".join(f"{p['hit_rate'][k]:>8.1%}" for k in TIERS)
-                     + f"{p['total_hit_rate']:>8.1%}{rd:>13,.2f}")
+        line = (cells + "".join(f"{p['hit_rate'][k]:>8.1%}" for k in TIERS)
+                + f"{p['total_hit_rate']:>8.1%}{rd:>13,.2f}")
+        m = p.get("time")
+        if m and m["requests"]:
+            q = m["ttft_s"]
+            line += f"{m['duration_s']:>12,.2f}{q['mean']:>11,.3f}{q['p50']:>8,.3f}{q['p90']:>8,.3f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -209,24 +316,32 @@ BAD_LINES_MAX_FRACTION = 0.01  # more bad lines than this share of the trace: no
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of `hicache replay`; 0 on success, 2 on bad input."""
+    calibration = None
+    sessions = None
     try:
         cfg = load_config(args.config)
         if args.calibration:
             from hicache.replay.calibration import apply_calibration, read_calibration
 
-            cfg = apply_calibration(cfg, read_calibration(args.calibration))
-        grid = parse_sweep(args.sweep)
-        if args.plot and not grid:
-            raise ValueError("--plot needs --sweep")
+            calibration = read_calibration(args.calibration)
+            cfg = apply_calibration(cfg, calibration)
         if args.block_tokens is not None and args.block_tokens < 1:
             raise ValueError(f"--block-tokens must be >= 1, got {args.block_tokens}")
+        kv = kv_bytes_per_token(args, cfg)
+        grid = parse_sweep(args.sweep, kv)
+        if args.plot and not grid:
+            raise ValueError("--plot needs --sweep")
         if is_agent_trace(args.trace):
             trace = read_agent_sessions([args.trace], args.session_offset_s)
+            if not args.no_time:  # closed loop, as bench agent runs them
+                from hicache.bench_client.workload import load_traces
+
+                sessions = load_traces([args.trace])
         else:
             trace = read_trace(args.trace, args.block_tokens, args.strict)
-        kv = kv_bytes_per_token(args, cfg)
         flags = {"device": args.device_tokens, "host": args.host_tokens, "disk": args.disk_tokens}
         base = make_setup(args, cfg, trace.block_tokens, kv, flags) if not grid else None
+        timing = None if args.no_time else time_setup(args, cfg, trace.block_tokens, calibration)
     except (ConfigError, TraceError, ReplayError, ValueError) as e:
         return _error(str(e))
     if trace.bad_lines:
@@ -240,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
                           "on the rest would mislead (is --block-tokens right for this trace?)")
     if args.limit is not None:
         trace.records = trace.records[: max(0, args.limit)]
+        if sessions is not None:
+            sessions = sessions[: max(0, args.limit)]
     progress = not args.no_progress
     start = time.perf_counter()
     reuse = stack_depths(trace.records)
@@ -247,11 +364,14 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()  # the trace and reuse profile live to the end: keep them out of the collector's scans
     info = {"path": trace.path, "format": trace.format, "block_tokens": trace.block_tokens,
             "bad_lines": len(trace.bad_lines), "first_bad_lines": trace.bad_lines[:20],
-            "kv_bytes_per_token": kv, "reuse_pass_seconds": reuse_s}
+            "kv_bytes_per_token": kv, "reuse_pass_seconds": reuse_s,
+            "arrivals": None if timing is None else "closed loop (sessions)" if sessions is not None else
+            "open loop (timestamps)"}
     title = (f"hicache replay: {trace.path} ({trace.format}, {len(trace.records):,} requests, {trace.blocks:,} blocks "
              f"of {trace.block_tokens} tokens, {kv:,} KV bytes/token; {len(trace.bad_lines)} bad lines skipped)")
+    run_ = _Run(args, cfg, trace, kv, flags, reuse, progress, calibration, sessions)
     try:
-        result = _replay(args, cfg, trace, kv, flags, base, grid, reuse, info, title, progress)
+        result = run_.sweep(grid, info, title) if grid else run_.once(base, timing, info, title)
     except ReplayError as e:
         return _error(str(e))
     finally:
@@ -262,32 +382,59 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay(args: argparse.Namespace, cfg: Any, trace: Trace, kv: int, flags: dict[str, int | None],
-            base: ReplaySetup | None, grid: dict[str, list[int]], reuse: ReuseProfile, info: dict[str, Any],
-            title: str, progress: bool) -> dict[str, Any]:
-    reuse_s = info["reuse_pass_seconds"]
-    if grid:
-        def point(sizes: dict[str, int]) -> dict[str, Any]:
-            setup = make_setup(args, cfg, trace.block_tokens, kv, {**flags, **sizes})
+@dataclasses.dataclass
+class _Run:
+    """What every replay of one invocation shares: the flags, the config, the trace and its reuse profile."""
+
+    args: argparse.Namespace
+    cfg: Any
+    trace: Trace
+    kv: int
+    flags: dict[str, int | None]
+    reuse: ReuseProfile
+    progress: bool
+    calibration: Any
+    sessions: list[Any] | None
+
+    def replay(self, setup: ReplaySetup, timing: tuple[TimeSetup, tuple[str, ...]] | None) -> dict[str, Any]:
+        return replay_once(self.trace, setup, self.reuse, self.args.bandwidth_window_ms, self.progress, timing,
+                           self.sessions, self.args)
+
+    def once(self, setup: ReplaySetup | None, timing: tuple[TimeSetup, tuple[str, ...]] | None,
+             info: dict[str, Any], title: str) -> dict[str, Any]:
+        assert setup is not None
+        summary = self.replay(setup, timing)
+        summary["blocks_per_s_with_reuse_pass"] = self.trace.blocks / (summary["replay_seconds"] +
+                                                                       info["reuse_pass_seconds"])
+        print(format_table(summary, title))
+        return {"trace": info, **summary}
+
+    def sweep(self, grid: dict[str, list[float]], info: dict[str, Any], title: str) -> dict[str, Any]:
+        args, bt = self.args, self.trace.block_tokens
+
+        def point(values: dict[str, float]) -> dict[str, Any]:
+            sizes = {k: int(v) for k, v in values.items() if k in TIERS}
+            rates = {k: v for k, v in values.items() if k not in TIERS}
+            setup = make_setup(args, self.cfg, bt, self.kv, {**self.flags, **sizes}, rates)
             setup.check()
-            return replay_once(trace, setup, reuse, args.bandwidth_window_ms, progress)
+            timing = None if args.no_time else time_setup(args, self.cfg, bt, self.calibration, rates)
+            return self.replay(setup, timing)
 
         points = run_sweep(grid, point)
         print(title)
-        print(_sweep_table(points))
+        print(_sweep_table(points, list(grid)))
         result: dict[str, Any] = {"trace": info, "sweep": grid, "points": points}
         if args.plot:
-            setup = make_setup(args, cfg, trace.block_tokens, kv, flags)  # the sizes and policies held fixed
+            setup = make_setup(args, self.cfg, bt, self.kv, self.flags)  # the sizes and policies held fixed
             wp = setup.write_policy
             policy = (f"GPU->host {wp.device_to_host}, host->disk {wp.host_to_disk}, eviction {setup.eviction_policy}"
-                      f", admission {setup.admission_hits}")
-            fixed = {t: n * trace.block_tokens for t, n in
-                     zip(TIERS, (setup.device_blocks, setup.host_blocks, setup.disk_blocks))}
-            plot_sweep(points, grid, args.plot, Path(trace.path).name, kv, fixed, policy)
+                      f", admission {setup.admission_hits}, load {setup.load_mode}")
+            held = [f"{t} {n * bt * self.kv / 2**30:,.1f} GiB" if self.kv else f"{t} {n * bt:,} tokens"
+                    for t, n in zip(TIERS, (setup.device_blocks, setup.host_blocks, setup.disk_blocks))
+                    if t not in grid]
+            held += [f"{name} {value / 1e9:g} GB/s" for name, value in
+                     (("host", setup.host_to_device_bytes_per_s), ("disk", setup.disk_to_device_bytes_per_s))
+                     if value and f"{name}_gbps" not in grid]
+            plot_sweep(points, grid, args.plot, Path(self.trace.path).name, self.kv, ", ".join(held), policy)
             print(f"plot: {args.plot}")
-    else:
-        summary = replay_once(trace, base, reuse, args.bandwidth_window_ms, progress)
-        summary["blocks_per_s_with_reuse_pass"] = trace.blocks / (summary["replay_seconds"] + reuse_s)
-        print(format_table(summary, title))
-        result = {"trace": info, **summary}
-    return result
+        return result

@@ -159,6 +159,54 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
     return out
 
 
+def time_summary(result: Any, t: Any, assumed: Sequence[str] = ()) -> dict[str, Any]:
+    """The time model's predictions (a simulate.TimedResult) and its inputs (a simulate.TimeSetup)."""
+    ttft = result.ttft_s
+    duration = result.duration_s
+    return {
+        "duration_s": duration,
+        "requests": len(result.requests),
+        "ttft_s": {"mean": sum(ttft) / len(ttft) if ttft else None, **percentiles(ttft)},
+        "gpu_busy_s": result.gpu_busy_s,
+        "gpu_busy_share": result.gpu_busy_s / duration if duration > 0 else None,
+        "prefill_s": result.prefill_s,
+        "decode_s": result.decode_s,
+        "engine_blocked_s": result.engine_blocked_s,
+        "disk_busy_s": dict(result.disk_busy_s),
+        "preemptions": result.preemptions,
+        "gave_up_reads": result.gave_up_reads,
+        "rejected_requests": result.rejected,
+        "inputs": {"decode_step_ms": t.decode_step_s * 1e3, "decode_seq_ms": t.decode_seq_s * 1e3,
+                   "disk_write_gbps": None if t.disk_write_bytes_per_s is None else t.disk_write_bytes_per_s / 1e9,
+                   "max_running": t.max_running, "chunk_tokens": t.chunk_tokens, "overlap": t.overlap,
+                   "prefetch": t.prefetch, "assumed": list(assumed)},
+    }
+
+
+def _time_lines(m: dict[str, Any]) -> list[str]:
+    q = m["ttft_s"]
+    rejected = (f"; {m['rejected_requests']:,} requests refused, their prompts as long as the GPU tier holds (the "
+                "server's context limit)") if m["rejected_requests"] else ""
+    if not m["requests"]:
+        return ["predicted: no request finished" + rejected]
+    inputs = m["inputs"]
+    busy = m["gpu_busy_share"]
+    lines = [f"predicted: duration {m['duration_s']:,.2f} s for {m['requests']:,} requests; TTFT mean "
+             f"{q['mean']:,.3f} s, p50 {q['p50']:,.3f} s, p90 {q['p90']:,.3f} s, p99 {q['p99']:,.3f} s{rejected}",
+             f"GPU busy {m['gpu_busy_s']:,.2f} s" + (f" ({busy:.0%} of it)" if busy is not None else "")
+             + f": prefill {m['prefill_s']:,.2f} s, decode {m['decode_s']:,.2f} s; disk busy: reads "
+             f"{m['disk_busy_s']['read']:,.2f} s, writes {m['disk_busy_s']['write']:,.2f} s; engine thread blocked on "
+             f"copies {m['engine_blocked_s']:,.2f} s; preemptions {m['preemptions']:,}; disk reads given up "
+             f"{m['gave_up_reads']:,}"]
+    assumed = f" (assumed: {', '.join(inputs['assumed'])})" if inputs["assumed"] else ""
+    write = f"{inputs['disk_write_gbps']:g} GB/s" if inputs["disk_write_gbps"] else "as reads"
+    lines.append(f"time model: decode step {inputs['decode_step_ms']:g} ms + {inputs['decode_seq_ms']:g} ms a "
+                 f"sequence, disk writes {write}{assumed}; scheduler: {inputs['max_running']} running, chunks of "
+                 f"{inputs['chunk_tokens']:,} tokens, overlap {'on' if inputs['overlap'] else 'off'}, prefetch "
+                 f"{'on' if inputs['prefetch'] else 'off'}")
+    return lines
+
+
 def _gib(n: float) -> str:
     """Bytes in binary units (B, KiB, ..., TiB)."""
     for unit, scale in (("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -224,6 +272,9 @@ def format_table(s: dict[str, Any], title: str) -> str:
         lines.append("disk needed for a share of the hits memory misses: " + ", ".join(
             f"{k} {v['disk_blocks']:,} blocks ({_gib(v['disk_bytes'])})"
             for k, v in z["disk_for_share_of_remaining_hits"].items()))
+    if s.get("time"):
+        lines.append("")
+        lines += _time_lines(s["time"])
     sc = s.get("server_check")
     if sc:
         lines.append(f"server trace log: {sc['requests']:,} requests compared, {sc['mismatches']:,} with different "

@@ -65,7 +65,7 @@ def test_json_figures_and_exit_codes(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     args = ["replay", trace, "--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20",
             "--disk-tokens", "32", "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100",
-            "--l3-admit", "all", "--no-progress", "--json", str(out)]
+            "--l3-admit", "all", "--no-time", "--no-progress", "--json", str(out)]
     assert main([*args[:6], "--host-tokens", "0", "--disk-tokens", "32", "--no-progress"]) == 2  # disk needs host
     assert main(args) == 0
     s = json.loads(out.read_text())
@@ -87,7 +87,7 @@ def test_blocks_nothing_suggests_are_reused_are_not_written_and_the_summary_says
     continues the first one's prefix is written (its conversation came back), the blocks it hit too."""
     once = [mooncake(i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6]])]
     base = ["--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20", "--disk-tokens", "32",
-            "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100", "--no-progress"]
+            "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100", "--no-time", "--no-progress"]
     out = tmp_path / "once.json"
     assert main(["replay", write(tmp_path / "once.jsonl", once), *base, "--json", str(out)]) == 0
     d = json.loads(out.read_text())["disk"]
@@ -113,7 +113,7 @@ def test_replay_prices_deep_blocks_dearer_with_an_attention_cost(tmp_path: Path,
     base = ["replay", trace, "--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20",
             "--disk-tokens", "32", "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100",
             "--load-mode", "auto", "--prefill-tokens-per-s", "1e6", "--host-to-device-gbps", "100",
-            "--disk-to-device-gbps", str(400 / 6e-6 / 1e9), "--l3-admit", "all", "--no-progress"]
+            "--disk-to-device-gbps", str(400 / 6e-6 / 1e9), "--l3-admit", "all", "--no-time", "--no-progress"]
     flat, deep = tmp_path / "flat.json", tmp_path / "deep.json"
     assert main([*base, "--json", str(flat)]) == 0
     s = json.loads(flat.read_text())
@@ -145,7 +145,7 @@ def test_sweep_writes_points_and_plot(tmp_path: Path) -> None:
     s = json.loads(out.read_text())
     assert len(s["points"]) == 6
     skipped = [p for p in s["points"] if "skipped" in p]
-    assert [p["sizes_tokens"] for p in skipped] == [{"host": 0, "disk": 16}, {"host": 0, "disk": 40}]
+    assert [p["sweep"] for p in skipped] == [{"host": 0, "disk": 16}, {"host": 0, "disk": 40}]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["replay", trace, "--sweep", "nvme=1,2", "--no-progress"]) == 2
 

@@ -80,7 +80,7 @@ def test_replayed_trace_log_matches_server_hits_per_tier(tmp_path: Path) -> None
     assert all(served[t] > 0 for t in TIERS), served
 
     out = tmp_path / "replay.json"
-    assert main(["replay", str(trace), "--config", str(config), "--device-tokens", str(DEVICE_TOKENS),
+    assert main(["replay", str(trace), "--no-time", "--config", str(config), "--device-tokens", str(DEVICE_TOKENS),
                  "--host-tokens", str(HOST_TOKENS), "--disk-tokens", str(DISK_TOKENS), "--load-mode", "always",
                  "--no-progress", "--json", str(out)]) == 0
     s = json.loads(out.read_text())

@@ -1,0 +1,216 @@
+"""The simulated clock of a timed replay, and the byte movers that run on it.
+
+A timed replay (hicache/replay/simulate.py) runs the server's scheduler and tier controller over metadata pools.
+Nothing moves bytes, so every transfer is given the time it would take instead:
+- `TimedCopier`: host <-> GPU copies, one copy engine per direction (PCIe is full duplex), each copy queued
+  behind the earlier ones of its direction and taking pages x page bytes / bandwidth;
+- `TimedWorker`: the L3 worker, one disk shared by reads and writes, reads first as `tiers.l3.worker` orders
+  them (a write batch starts only while no read waits), each job taking its bytes / the read or write bandwidth.
+
+A transfer's handle is done once the clock has reached its end, and waiting on it moves the clock there: the engine
+thread would have blocked that long.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiers.copy import COMPLETED, TransferHandle
+from tiers.l3.worker import Completion, L3Worker
+
+
+class SimClock:
+    """Seconds since the replay started; only the simulation moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.blocked_s = 0.0  # time the engine thread spent waiting on a transfer (`TimedTransfer.wait`)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_to(self, t: float) -> None:
+        if t > self.now:
+            self.now = t
+
+    def block_until(self, t: float) -> None:
+        """The engine thread waits for something that ends at t."""
+        if t > self.now:
+            self.blocked_s += t - self.now
+            self.now = t
+
+
+class TimedTransfer:
+    """A transfer that ends at `end` on the clock (tiers.copy.TransferHandle)."""
+
+    __slots__ = ("clock", "end")
+
+    def __init__(self, clock: SimClock, end: float):
+        self.clock = clock
+        self.end = end
+
+    def done(self) -> bool:
+        return self.clock.now >= self.end
+
+    def wait(self) -> None:
+        self.clock.block_until(self.end)
+
+
+class TimedCopier:
+    """Host <-> GPU page copies that take their time (controller.ports.Copier); see the module doc."""
+
+    def __init__(self, clock: SimClock, page_bytes: int, bytes_per_s: float | None):
+        self.clock = clock
+        self.page_bytes = page_bytes
+        self.bytes_per_s = bytes_per_s
+        self._free_at = {"to_host": 0.0, "to_device": 0.0}
+        self._ends: list[float] = []  # heap of the ends of copies not yet known to be done
+
+    def _copy(self, direction: str, pages: int) -> TransferHandle:
+        if not pages or not self.bytes_per_s or not self.page_bytes:
+            return COMPLETED
+        start = max(self.clock.now, self._free_at[direction])
+        end = self._free_at[direction] = start + pages * self.page_bytes / self.bytes_per_s
+        heapq.heappush(self._ends, end)
+        return TimedTransfer(self.clock, end)
+
+    def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> TransferHandle:
+        return self._copy("to_host", len(device_pages))
+
+    def to_device(self, host_pages: Sequence[int], device_pages: Sequence[int]) -> TransferHandle:
+        return self._copy("to_device", len(host_pages))
+
+    def next_end(self) -> float | None:
+        """When the next copy in flight ends (None: none is)."""
+        ends, now = self._ends, self.clock.now
+        while ends and ends[0] <= now:
+            heapq.heappop(ends)
+        return ends[0] if ends else None
+
+
+@dataclass
+class _DiskJob:
+    kind: str  # "read" or "write"
+    pages: int
+    submitted: float  # when it may start: submission, or (a write) when the host copy it stores has landed
+    completion: Completion
+    end: float = 0.0
+
+
+class TimedWorker:
+    """The L3 worker on the clock (controller.ports.Worker): the metadata store answers at once (a synchronous
+    `L3Worker`), and each answer is handed to the controller when the disk would have finished the job."""
+
+    def __init__(self, clock: SimClock, store: Any, page_bytes: int, read_bytes_per_s: float | None,
+                 write_bytes_per_s: float | None, queue_pages: int = 4096, batch_pages: int = 32):
+        self.clock = clock
+        self.inner = L3Worker(store, queue_pages=1 << 62, synchronous=True)
+        self.page_bytes = page_bytes
+        self.read_bytes_per_s = read_bytes_per_s
+        self.write_bytes_per_s = write_bytes_per_s
+        self.queue_pages = queue_pages
+        self.batch_pages = batch_pages
+        self._reads: deque[_DiskJob] = deque()
+        self._writes: deque[_DiskJob] = deque()
+        self._running: deque[_DiskJob] = deque()  # started, in order of their ends
+        self._free_at = 0.0  # when the disk finishes what it has started
+        self._queued_write_pages = 0  # submitted and not yet handed back
+        self.busy_s = {"read": 0.0, "write": 0.0}  # disk time spent on each
+        self.reads: list[tuple[float, int]] = []  # (start in ms, pages) of each read, for the bandwidth report
+
+    refusal = "l3_queue_full"
+
+    @property
+    def queued_write_pages(self) -> int:
+        return self._queued_write_pages
+
+    def _job(self, kind: str, pages: int, ready: float) -> _DiskJob:
+        done = self.inner.completions()
+        assert len(done) == 1, "a synchronous L3 worker answers each job at once"
+        return _DiskJob(kind, pages, max(self.clock.now, ready), done[0])
+
+    def submit_write(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any],
+                     before: Callable[[], None] | None = None) -> bool:
+        if self._queued_write_pages + len(keys) > self.queue_pages:
+            return False
+        # `before` waits for the GPU -> host copy that fills the pages: the disk cannot start before it ends
+        ready = getattr(getattr(before, "__self__", None), "end", 0.0)
+        self.inner.submit_write(token, keys, pages)
+        self._queued_write_pages += len(keys)
+        self._writes.append(self._job("write", len(keys), ready))
+        return True
+
+    def submit_read(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any]) -> None:
+        self.inner.submit_read(token, keys, pages)
+        self._reads.append(self._job("read", len(keys), 0.0))
+
+    def _seconds(self, job: _DiskJob) -> float:
+        bw = self.read_bytes_per_s if job.kind == "read" else self.write_bytes_per_s
+        return job.pages * self.page_bytes / bw if bw and self.page_bytes else 0.0
+
+    def _run(self, now: float) -> None:
+        """Start every job the disk takes up by `now`: at each moment it is free, the oldest read that has been
+        submitted, else a batch of writes (up to batch_pages) that may start."""
+        while self._reads or self._writes:
+            t = self._free_at
+            head_r = self._reads[0] if self._reads else None
+            head_w = self._writes[0] if self._writes else None
+            start = min(j.submitted for j in (head_r, head_w) if j is not None)
+            t = max(t, start)
+            if t > now:
+                return
+            if head_r is not None and head_r.submitted <= t:
+                batch = [self._reads.popleft()]
+            elif head_w is not None and head_w.submitted <= t:
+                batch, pages = [self._writes.popleft()], head_w.pages
+                while self._writes and self._writes[0].submitted <= t and pages + self._writes[0].pages <= \
+                        self.batch_pages:
+                    pages += self._writes[0].pages
+                    batch.append(self._writes.popleft())
+            else:
+                return
+            for job in batch:
+                if job.kind == "read":
+                    self.reads.append((t * 1e3, job.pages))
+                seconds = self._seconds(job)
+                self.busy_s[job.kind] += seconds
+                t += seconds
+                job.end = t
+                self._running.append(job)
+            self._free_at = t
+
+    def completions(self) -> list[Completion]:
+        now = self.clock.now
+        self._run(now)
+        out = []
+        while self._running and self._running[0].end <= now:
+            job = self._running.popleft()
+            if job.kind == "write":
+                self._queued_write_pages -= job.pages
+            out.append(job.completion)
+        return out
+
+    def next_end(self) -> float | None:
+        """When the disk next hands back a job (None: nothing is in flight or queued)."""
+        self._run(self.clock.now)
+        if self._running:
+            return self._running[0].end
+        heads = [q[0].submitted for q in (self._reads, self._writes) if q]
+        return min(heads) if heads else None  # queued behind a copy still landing: starts then
+
+    def stage(self, pages: Sequence[Any]) -> list[Any] | None:
+        return list(pages)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Move the clock to the end of everything submitted (the engine thread waits for the disk)."""
+        self._run(float("inf"))
+        if self._running:
+            self.clock.block_until(self._running[-1].end)
+        return True
+
+    def close(self) -> None:
+        self.inner.close()
