@@ -111,7 +111,7 @@ class StepTimes(Instrument):
         return lap
 
     def begin(self) -> None:
-        self._t = time.perf_counter()
+        self._t = self._begin = time.perf_counter()
 
     def planned(self, plan: Plan) -> None:
         self.counters["schedule_s"] += self._lap()
@@ -139,8 +139,19 @@ class StepTimes(Instrument):
         if not plan:
             return
         c["steps"] += 1
+        decodes = 0
         for req, n in plan:
-            c["decode_tokens" if n == 1 and req.num_output else "prefill_tokens"] += n
+            decode = n == 1 and req.num_output
+            decodes += bool(decode)
+            c["decode_tokens" if decode else "prefill_tokens"] += n
+        if decodes == len(plan):  # a decode-only step: its wall time against its batch (server/metrics.py fits them)
+            seconds = time.perf_counter() - self._begin
+            c["decode_steps"] += 1
+            c["decode_step_s"] += seconds
+            c["decode_step_seqs"] += decodes
+            c["decode_step_seqs2"] += decodes * decodes
+            c["decode_step_seq_s"] += decodes * seconds
+
 
 
 class StepLog(Instrument):

@@ -2,9 +2,10 @@
 
 `hicache serve` times its prefill (and the attention cost per token of context) at startup and follows the disk's
 measured reads; /metrics exports what its cost model uses now (`hicache_cost_prefill_tokens_per_second`,
-`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`) and what its decode-only steps took
-(`hicache_cost_decode_step_seconds`, `hicache_cost_decode_seconds_per_sequence`: the time model's decode costs). SOURCE is that text saved to a file
-(`curl -s http://HOST:PORT/metrics > server.metrics`) or the server's address. The values fold into the config's
+`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`) and what its decode-only steps
+took (`hicache_cost_decode_step_seconds`, `hicache_cost_decode_seconds_per_sequence`: the time model's decode
+costs). SOURCE is that text saved to a file (`curl -s http://HOST:PORT/metrics > server.metrics`) or the server's
+address. The values fold into the config's
 `cache.load_policy`, so a replay's load-or-recompute decisions and its prefill times use the server's own numbers;
 flags still override them. A 0 in the metrics means unknown and is left out.
 """

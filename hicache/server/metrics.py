@@ -62,6 +62,26 @@ ENGINE_COUNTERS = (
 )
 
 
+def decode_step_fit(counters: dict[str, Any]) -> tuple[float, float] | None:
+    """(seconds, seconds per sequence) of a decode-only step: a least-squares line through the engine's decode-only
+    steps (hicache.engine.instruments.StepTimes counts them); None before the first. With one batch size seen, or
+    a line falling with it, the mean step time and 0 per sequence. A replay's time model prices decoding with it
+    (hicache/replay/simulate.py)."""
+    n = counters.get("decode_steps", 0)
+    if not n:
+        return None
+    x, y = counters["decode_step_seqs"], counters["decode_step_s"]
+    xx, xy = counters["decode_step_seqs2"], counters["decode_step_seq_s"]
+    spread = n * xx - x * x
+    slope = (n * xy - x * y) / spread if spread > 0 else 0.0
+    if slope <= 0:
+        return y / n, 0.0
+    base = (y - slope * x) / n
+    if base < 0:  # the line would cross zero: all of it per sequence
+        return 0.0, xy / xx
+    return base, slope
+
+
 def _pair_counter(name: str, doc: str, values: dict[str, int], pairs: tuple[tuple[str, str], ...]) -> Metric:
     family = CounterMetricFamily(name, doc, labels=["src", "dst"])
     seen = {f"{s}->{d}" for s, d in pairs}
@@ -214,6 +234,11 @@ class CacheCollector:
         engine = s.get("engine", {})
         for name, doc, key in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=engine.get(key, 0))
+        base, per_sequence = decode_step_fit(engine) or (0.0, 0.0)
+        yield GaugeMetricFamily("hicache_cost_decode_step_seconds", "Wall seconds of a decode-only step, less its "
+                                "sequences' share (a line fit through the steps so far; 0: none yet)", value=base)
+        yield GaugeMetricFamily("hicache_cost_decode_seconds_per_sequence", "What each sequence adds to a decode-only "
+                                "step's wall seconds (the same fit)", value=per_sequence)
 
 
 class GcCollector:

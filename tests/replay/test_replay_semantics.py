@@ -222,8 +222,9 @@ def test_the_lru_inclusive_preset_agrees_with_the_reference_block_for_block(tmp_
                                         "hash_ids": ids}) + "\n" for i, ids in enumerate(traces)))
     caps = {"device": 12, "host": 24, "disk": 60}
     out = tmp_path / "r.json"
-    assert main(["replay", str(path), "--no-time", "--policy", "lru-inclusive", "--device-tokens", str(caps["device"] * 512),
-                 "--host-tokens", str(caps["host"] * 512), "--disk-tokens", str(caps["disk"] * 512),
+    assert main(["replay", str(path), "--no-time", "--policy", "lru-inclusive",
+                 "--device-tokens", str(caps["device"] * 512), "--host-tokens", str(caps["host"] * 512),
+                 "--disk-tokens", str(caps["disk"] * 512),
                  "--kv-bytes-per-token", "64", "--no-progress", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     ref = ReferenceLRU(caps)
@@ -261,8 +262,9 @@ def test_the_lru_inclusive_preset_agrees_with_the_reference_on_agent_sessions(tm
         (sessions / f"{name}.json").write_text(json.dumps({"id": name, "block_size": 64, "requests": requests}))
     caps = {"device": 8, "host": 16, "disk": 40}
     out = tmp_path / "r.json"
-    assert main(["replay", str(sessions), "--no-time", "--policy", "lru-inclusive", "--device-tokens", str(caps["device"] * 64),
-                 "--host-tokens", str(caps["host"] * 64), "--disk-tokens", str(caps["disk"] * 64),
+    assert main(["replay", str(sessions), "--no-time", "--policy", "lru-inclusive",
+                 "--device-tokens", str(caps["device"] * 64), "--host-tokens", str(caps["host"] * 64),
+                 "--disk-tokens", str(caps["disk"] * 64),
                  "--kv-bytes-per-token", "64", "--no-progress", "--json", str(out)]) == 0
     ref = ReferenceLRU(caps)
     want = {t: 0 for t in TIERS}

@@ -1,0 +1,164 @@
+"""The replay's time model (hicache/replay/simulate.py, timed.py): its clock against figures worked out by hand,
+and through `hicache replay` the report and JSON it gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller import WritePolicy
+from hicache.cli import main
+from hicache.replay.core import ReplaySetup
+from hicache.replay.simulate import TimedReplay, TimeSetup, open_loop
+from hicache.replay.timed import SimClock, TimedCopier, TimedWorker
+from hicache.replay.trace import TraceRecord
+from hicache.server.metrics import ServerMetrics, decode_step_fit
+from tiers import MetadataPool
+
+BT = 100  # tokens per block
+SPEED = 10_000.0  # prefill tokens per second
+PAIR = 1e-7  # attention seconds per (token, earlier token) pair
+
+
+def setup(device: int = 100, host: int = 0, disk: int = 0, **kw) -> ReplaySetup:
+    args = {"block_bytes": 1_000_000, "load_mode": "always", "prefill_tokens_per_s": SPEED,
+            "host_to_device_bytes_per_s": 1e9, "disk_to_device_bytes_per_s": 1e8, "attention_seconds_per_pair": PAIR}
+    return ReplaySetup(BT, device, host, disk, **{**args, **kw})
+
+
+def prefill(tokens: int) -> float:
+    """A prompt's first `tokens` tokens, by hand: tokens / speed + the pairs x the attention price."""
+    return tokens / SPEED + PAIR * tokens * (tokens - 1) / 2
+
+
+def record(t_ms: float, ids: list[int], tokens: int, out: int = 1) -> TraceRecord:
+    return TraceRecord(t_ms, tokens, out, ids, 1)
+
+
+def test_one_request_takes_its_prefill_then_its_decode_steps() -> None:
+    """1,000 tokens (10 blocks) alone: the first token after 0.1 s + 1e-7 x 1000 x 999 / 2 s, then 4 more tokens at
+    20 ms a step and 1 ms a sequence."""
+    rep = TimedReplay(setup(), TimeSetup(decode_step_s=0.020, decode_seq_s=0.001, chunk_tokens=300))
+    open_loop(rep, [record(0, list(range(10)), 1000, out=5)])
+    res = rep.run()
+    assert res.ttft_s == [pytest.approx(prefill(1000))]
+    assert res.duration_s == pytest.approx(prefill(1000) + 4 * 0.021)
+    assert res.prefill_s == pytest.approx(prefill(1000))  # chunked in 3-block steps: the same sum
+    assert rep.totals.recompute_s == pytest.approx(prefill(1000))
+
+
+def test_two_requests_that_arrive_together_take_the_gpu_in_turn() -> None:
+    """Chunks of one prompt's length: the second request's first token comes one prefill after the first's; one
+    arriving later than the first finished waits for nothing."""
+    rep = TimedReplay(setup(), TimeSetup(decode_step_s=0.0, chunk_tokens=1000))
+    open_loop(rep, [record(0, list(range(10)), 1000), record(0, list(range(20, 30)), 1000)])
+    res = rep.run()
+    assert sorted(res.ttft_s) == [pytest.approx(prefill(1000)), pytest.approx(2 * prefill(1000))]
+    assert res.duration_s == pytest.approx(2 * prefill(1000))
+    late = TimedReplay(setup(), TimeSetup(decode_step_s=0.0, chunk_tokens=1000))
+    open_loop(late, [record(0, list(range(10)), 1000), record(5000, list(range(20, 30)), 1000)])
+    res = late.run()
+    assert res.ttft_s == [pytest.approx(prefill(1000))] * 2
+    assert res.duration_s == pytest.approx(5.0 + prefill(1000))
+
+
+def test_a_disk_read_of_n_bytes_at_b_bytes_a_second_lands_after_n_over_b() -> None:
+    """3 pages of 1 MB at 0.1 GB/s: 30 ms. A write queued first yields to it (reads first), and takes its own
+    time at the write bandwidth after it."""
+    clock = SimClock()
+    worker = TimedWorker(clock, MetadataPool(10, 1_000_000), 1_000_000, 1e8, 5e7)
+    worker.submit_read("r", [b"a", b"b", b"c"], [0, 1, 2])
+    assert worker.completions() == [] and worker.next_end() == pytest.approx(0.03)
+    clock.advance_to(0.0299)
+    assert worker.completions() == []
+    clock.advance_to(0.03)
+    assert [c.token for c in worker.completions()] == ["r"]
+    clock2 = SimClock()
+    store = MetadataPool(10, 1_000_000)
+    w = TimedWorker(clock2, store, 1_000_000, 1e8, 5e7)
+    # a write queued behind a copy that lands at 10 ms; a read submitted meanwhile goes first
+    copy = TimedCopier(clock2, 1_000_000, 1e8).to_host([0], [0])  # 1 MB at 0.1 GB/s: lands at 10 ms
+    assert w.submit_write("w", [b"x"], [0], before=copy.wait)
+    w.submit_read("r", [b"a"], [1])
+    assert w.next_end() == pytest.approx(0.01)  # the read: 1 MB at 0.1 GB/s
+    clock2.advance_to(0.01)
+    assert [c.token for c in w.completions()] == ["r"] and w.queued_write_pages == 1
+    assert w.next_end() == pytest.approx(0.01 + 0.02)  # then the write: 1 MB at 0.05 GB/s
+    clock2.advance_to(0.03)
+    assert [c.token for c in w.completions()] == ["w"] and w.queued_write_pages == 0
+    assert w.busy_s == {"read": pytest.approx(0.01), "write": pytest.approx(0.02)}
+
+
+def test_a_prefix_on_disk_waits_for_its_read_then_its_copy() -> None:
+    """Load mode always: a 10-block prompt computed once (the GPU and host tiers too small to keep it after two
+    fillers), then asked again: its first 9 blocks come from disk (9 MB at 0.1 GB/s = 90 ms) and its last block is
+    computed (the server computes a prompt's last token). The reads land part by part, each part copied to the GPU
+    as it lands, so at 1 GB/s only the last part's copy adds to the wait: at most 9 MB, 9 ms."""
+    policy = WritePolicy("write_through", "write_through", defer_above_free=1.0, l3_admit="all", l3_host_share=1.0)
+    last_block = prefill(1000) - prefill(900)
+    for host_bytes_per_s, copy_s in ((1e12, (0.0, 1e-5)), (1e9, (0.001, 0.009))):
+        rep = TimedReplay(setup(device=11, host=10, disk=100, write_policy=policy,
+                                host_to_device_bytes_per_s=host_bytes_per_s),
+                          TimeSetup(decode_step_s=0.0, chunk_tokens=10_000, disk_write_bytes_per_s=1e12))
+        prompt, fillers = list(range(10)), [list(range(50, 60)), list(range(70, 80))]
+        open_loop(rep, [record(0, prompt, 1000), record(1000, fillers[0], 1000), record(2000, fillers[1], 1000),
+                        record(4000, prompt, 1000)])
+        res = rep.run()
+        again = max(res.requests, key=lambda r: r.arrival)
+        assert again.hits == {"device": 0, "host": 0, "disk": 9}
+        waited = again.first_token_at - again.arrival - 0.09 - last_block
+        assert copy_s[0] - 1e-9 <= waited <= copy_s[1] + 1e-9
+
+
+def test_hicache_replay_reports_predicted_time_and_sweeps_bandwidth(tmp_path: Path, capsys) -> None:
+    """The report and --json give the predicted duration and TTFT; a sweep over the disk's bandwidth plots them, and
+    a slower disk never predicts a shorter run."""
+    rows = [json.dumps({"timestamp": i * 300, "input_length": 2000, "output_length": 4,
+                        "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10 + i % 3] + [100 + i] * 10}) for i in range(12)]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(rows) + "\n")
+    out, png = tmp_path / "r.json", tmp_path / "s.png"
+    common = ["replay", str(trace), "--block-tokens", "100", "--device-tokens", "2400", "--host-tokens", "2400",
+              "--disk-tokens", "100000", "--kv-bytes-per-token", "100000", "--prefill-tokens-per-s", "20000",
+              "--host-to-device-gbps", "50", "--decode-step-ms", "5", "--no-progress"]
+    assert main([*common, "--disk-to-device-gbps", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    m = json.loads(out.read_text())["time"]
+    assert m["requests"] == 12 and m["duration_s"] > 0 and 0 < m["ttft_s"]["p50"] <= m["ttft_s"]["p90"]
+    assert m["inputs"]["decode_step_ms"] == 5 and m["inputs"]["assumed"] == []
+    assert f"predicted: duration {m['duration_s']:,.2f} s for 12 requests" in text
+    assert main([*common, "--sweep", "disk_gbps=0.1,1,10", "--json", str(out), "--plot", str(png)]) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [p["sweep"]["disk_gbps"] for p in points] == [0.1, 1.0, 10.0]
+    durations = [p["time"]["duration_s"] for p in points]
+    assert durations[0] >= durations[1] >= durations[2]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([*common, "--sweep", "disk_gbps=0,1"]) == 2
+    assert main([*common, "--decode-step-ms", "-1"]) == 2
+
+
+def test_the_decode_costs_come_from_a_servers_decode_only_steps(tmp_path: Path) -> None:
+    """Steps of 1 and 3 sequences taking 12 and 16 ms: 10 ms a step and 2 ms a sequence, exported and read back by
+    --calibration; one batch size only gives its mean time and nothing per sequence."""
+    counters = {"decode_steps": 4, "decode_step_s": 0.012 * 2 + 0.016 * 2, "decode_step_seqs": 1 * 2 + 3 * 2,
+                "decode_step_seqs2": 1 * 2 + 9 * 2, "decode_step_seq_s": 0.012 * 2 + 3 * 0.016 * 2}
+    base, per_seq = decode_step_fit(counters)
+    assert (base, per_seq) == (pytest.approx(0.010), pytest.approx(0.002))
+    assert decode_step_fit({**counters, "decode_steps": 0}) is None
+    same = {"decode_steps": 2, "decode_step_s": 0.03, "decode_step_seqs": 4, "decode_step_seqs2": 8,
+            "decode_step_seq_s": 0.06}
+    assert decode_step_fit(same) == (pytest.approx(0.015), 0.0)
+    metrics = tmp_path / "server.metrics"
+    metrics.write_bytes(ServerMetrics(1000).render({"cost_model": {"prefill_tokens_per_s": 20_000.0},
+                                                    "engine": counters}, None))
+    rows = [json.dumps({"timestamp": 0, "input_length": 400, "output_length": 3, "hash_ids": [1, 2, 3, 4]})]
+    trace, out = tmp_path / "t.jsonl", tmp_path / "r.json"
+    trace.write_text("\n".join(rows) + "\n")
+    assert main(["replay", str(trace), "--block-tokens", "100", "--device-tokens", "1000", "--kv-bytes-per-token",
+                 "10", "--no-progress", "--json", str(out), "--calibration", str(metrics)]) == 0
+    m = json.loads(out.read_text())["time"]
+    assert m["inputs"]["decode_step_ms"] == pytest.approx(10) and m["inputs"]["decode_seq_ms"] == pytest.approx(2)
+    # 400 tokens at 20,000 tokens/s, then 2 decode steps of one sequence at 12 ms
+    assert m["duration_s"] == pytest.approx(400 / 20_000 + 2 * 0.012)
