@@ -233,6 +233,8 @@ class Scheduler:
     def _admit(self, in_flight: int = 0) -> None:
         """Admit waiting requests, oldest first, while the prefill backlog is under one step's budget and their
         pages fit the GPU pool; in_flight: tokens of the forward now running (computed, not yet advanced)."""
+        if not self.waiting or len(self.running) + len(self.loading) >= self.max_running:
+            return
         admitted = self.running + self.loading
         backlog = sum(len(r.token_ids) - r.computed - 1 for r in admitted) - in_flight
         reserved = sum(self._pages_needed(r) for r in admitted)
