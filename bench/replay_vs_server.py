@@ -6,8 +6,9 @@ OUT_DIR holds what bench/cpu_agent.sh or `bench/gpu/run.sh agent` leave per arm:
 bench agent --json`), the server's log ARM.server.log and its /metrics at the end, ARM.metrics.txt. For each arm
 the replay runs the same agent sessions (OUT_DIR/workload, or --workload) with the server's own figures: the tier
 sizes and page bytes its log states, the costs its /metrics exported (`--calibration`: prefill speed, attention per
-token pair, host and disk bandwidths, the decode-step fit), a disk write cap where its log states one, and the
-scheduler settings of CONFIG (the server's config file). It prints predicted against measured and the ratio; a
+token pair, host and disk bandwidths, the decode-step fit), the `--set`s and load flags it was started with
+(NAME.flags.txt: L3 caps, policies), and the scheduler settings of CONFIG (the server's config file). Arms with a
+remote tier are skipped: the replay does not model it. It prints predicted against measured and the ratio; a
 prediction within 15% of the measurement is what bench/RESULTS.md, 'Replay predicts time', asks of it.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -23,33 +25,41 @@ from pathlib import Path
 
 CACHE_LINE = re.compile(r"cache: page (\d+) tokens x (\d+) bytes; "
                         r"device (\d+) pages, host (\d+) pages, disk (\d+) pages")
-WRITE_CAP = re.compile(r"write_limit_gbps[=: ]+([0-9.]+)")
 
 
-def server_setup(log: Path) -> dict[str, int | float]:
-    """Tier sizes (tokens), KV bytes per token and any disk write cap, from a server log."""
+def server_setup(log: Path) -> dict[str, int]:
+    """Tier sizes (tokens) and KV bytes per token, from a server log."""
     text = log.read_text(errors="replace")
     m = CACHE_LINE.search(text)
     if m is None:
         raise SystemExit(f"{log}: no 'cache: page ...' line (not a hicache server log?)")
     page, page_bytes, device, host, disk = map(int, m.groups())
-    out: dict[str, int | float] = {"device_tokens": device * page, "host_tokens": host * page,
-                                   "disk_tokens": disk * page, "kv_bytes_per_token": page_bytes // page}
-    cap = WRITE_CAP.search(text)
-    if cap is not None:
-        out["disk_write_gbps"] = float(cap.group(1))
+    return {"device_tokens": device * page, "host_tokens": host * page,
+            "disk_tokens": disk * page, "kv_bytes_per_token": page_bytes // page}
+
+
+def serve_flags(path: Path) -> list[str]:
+    """The replay flags that say what the arm's `hicache serve` flags (NAME.flags.txt) said: its `--set`s (L3 caps
+    and policies among them), `--load-mode`, `--no-load-overlap`. Tier sizes come from its log instead."""
+    if not path.exists():
+        return []
+    words, out = shlex.split(path.read_text()), []
+    for i, word in enumerate(words):
+        if word in ("--set", "--load-mode") and i + 1 < len(words):
+            out += [word, words[i + 1]]
+        elif word == "--no-load-overlap":
+            out += ["--set", "cache.load_policy.overlap=false"]
     return out
 
 
-def predict(workload: Path, config: str, setup: dict[str, int | float], metrics: Path, output_length: int,
-            python: str) -> dict:
+def predict(workload: Path, config: str, setup: dict[str, int], metrics: Path, output_length: int,
+            python: str, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "replay.json"
         cmd = [python, "-m", "hicache.cli", "replay", str(workload), "--config", config, "--no-progress",
-               "--calibration", str(metrics), "--output-length", str(output_length), "--json", str(out)]
-        for key in ("device_tokens", "host_tokens", "disk_tokens", "kv_bytes_per_token", "disk_write_gbps"):
-            if key in setup:
-                cmd += [f"--{key.replace('_', '-')}", str(setup[key])]
+               "--calibration", str(metrics), "--output-length", str(output_length), "--json", str(out), *flags]
+        for key, value in setup.items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"replay failed ({run.returncode}): {' '.join(cmd)}\n{run.stderr[-2000:]}")
@@ -69,12 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for client in sorted(args.out_dir.glob("*.json"), key=lambda q: q.stat().st_mtime):
         arm = client.stem
+        if arm.startswith("warmup"):  # a warm-up server ran only some of the sessions
+            continue
         log, metrics = args.out_dir / f"{arm}.server.log", args.out_dir / f"{arm}.metrics.txt"
         if not (log.exists() and metrics.exists()):
             continue
         measured = json.loads(client.read_text())["overall"]
         setup = server_setup(log)
-        replay = predict(workload, args.config, setup, metrics, args.output_length, args.python)
+        flags_file = args.out_dir / f"{arm}.flags.txt"
+        if flags_file.exists() and "--remote-url" in flags_file.read_text():
+            print(f"{arm}: skipped (the replay does not model the remote tier)", file=sys.stderr)
+            continue
+        replay = predict(workload, args.config, setup, metrics, args.output_length, args.python,
+                         serve_flags(flags_file))
         t = replay["time"]
         rows.append({"arm": arm, "setup": setup,
                      "measured": {"duration_s": measured["duration_s"],

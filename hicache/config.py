@@ -367,6 +367,21 @@ def load_config(path: str | Path | None) -> Config:
     return from_dict(data, str(path))
 
 
+def parse_settings(settings: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items (serve, replay) as dotted overrides; each VALUE is parsed as YAML (numbers,
+    true/false, null)."""
+    out: dict[str, Any] = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. cache.write_policy.defer_above_free=1.0")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {e}") from None
+    return out
+
+
 def override(cfg: Config, dotted: dict[str, Any], source: str = "command line") -> Config:
     """A copy of cfg with dotted keys (e.g. "cache.l3.path") replaced, validated again."""
     for key, value in dotted.items():

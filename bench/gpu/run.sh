@@ -42,7 +42,8 @@
 #              its server's /metrics. AGENT_LIMIT [540] s per arm; the whole list does not fit one device command:
 #              pass a few ARMS at a time (an arm that could not finish within BUDGET_S [560] s of the workload's start
 #              is skipped, so the archive is written before a 600 s device command ends). EXTRA as above;
-#              PROFILE=1 adds an engine-thread cProfile per arm (NAME.pstats; it slows the engine thread)
+#              PROFILE=1 adds an engine-thread cProfile per arm (NAME.pstats; it slows the engine thread). At the end
+#              bench/replay_vs_server.py replays each arm from its server's figures: predicted against measured
 set -u
 workload=${1:-}
 case $workload in
@@ -338,6 +339,9 @@ agent() {
   done
   python3 bench/step_log_summary.py "$OUT"/agent_*.steps.jsonl 2>&1 | tee "$OUT/steps_summary.txt"
   summary "agent_*.json" gpu_only
+  # the replay's prediction of each arm, from that arm's server figures (bench/RESULTS.md, 'Replay predicts time')
+  timeout 120 python3 bench/replay_vs_server.py "$OUT" --config "${CONFIG:-configs/h200-llama8b.yaml}" \
+    --json "$OUT/replay_vs_server.json" 2>&1 | tee "$OUT/replay_vs_server.txt"
 }
 
 "$workload"

@@ -236,7 +236,8 @@ class Scheduler:
         if not self.waiting or len(self.running) + len(self.loading) >= self.max_running:
             return
         admitted = self.running + self.loading
-        backlog = sum(len(r.token_ids) - r.computed - 1 for r in admitted) - in_flight
+        # tokens left to prefill (a decoding request has none: its last token is computed as it decodes)
+        backlog = sum(max(0, len(r.token_ids) - r.computed - 1) for r in admitted) - in_flight
         reserved = sum(self._pages_needed(r) for r in admitted)
         capacity = self.ctrl.device.capacity_pages
         while self.waiting and len(self.running) + len(self.loading) < self.max_running:

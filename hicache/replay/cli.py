@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from controller import WritePolicy
 from controller.policy import WRITE_POLICIES
 from controller.reuse import ADMIT_MODES
-from hicache.config import ConfigError, TierSize, load_config, resolve_sizes
+from hicache.config import ConfigError, TierSize, load_config, override, parse_settings, resolve_sizes
 from hicache.modelinfo import model_shape, resolve_dtype
 from hicache.replay.agent import is_agent_trace, read_agent_sessions
 from hicache.replay.core import Replayer, ReplayError, ReplaySetup
@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="agent sessions: session k starts k times this many seconds in (default 0: all at once, "
                         "their requests interleaved by their own times)")
     p.add_argument("--config", help="YAML config: tier sizes, policies, model (for KV bytes per token)")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="set any config key, as `hicache serve --set` does (VALUE is YAML); repeatable")
     p.add_argument("--block-tokens", type=int, help="tokens per hash_ids block (Mooncake: 512; a trace log "
                                                     "carries its own)")
     for tier in TIERS:
@@ -207,14 +209,19 @@ def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibratio
             raise ReplayError(f"{name} must be >= 0, got {value}")
     if args.output_length < 1 or (args.concurrency is not None and args.concurrency < 1):
         raise ReplayError("--output-length and --concurrency must be >= 1")
-    write = rates.get("disk_write_gbps") or args.disk_write_gbps or rates.get("disk_gbps")
-    if write is not None and not write > 0:
-        raise ReplayError(f"--disk-write-gbps must be > 0, got {write}")
+    l3 = cfg.cache.l3  # a server with its L3 capped (cache.l3.read_limit_gbps, write_limit_gbps) runs at the caps
+    if args.disk_write_gbps is not None and not args.disk_write_gbps > 0:
+        raise ReplayError(f"--disk-write-gbps must be > 0, got {args.disk_write_gbps}")
+    write = (rates.get("disk_write_gbps") or args.disk_write_gbps or rates.get("disk_gbps") or l3.write_limit_gbps
+             or None)
     sc, lp = cfg.scheduler, cfg.cache.load_policy
     page = cfg.cache.page_size
     return TimeSetup(
         decode_step_s=step_ms * 1e-3, decode_seq_s=(seq_ms or 0.0) * 1e-3,
         disk_write_bytes_per_s=None if write is None else write * 1e9,
+        disk_read_limit_bytes_per_s=None if rates.get("disk_gbps") or not l3.read_limit_gbps else
+        l3.read_limit_gbps * 1e9,
+        disk_shared=not (l3.read_limit_gbps or l3.write_limit_gbps),
         max_running=sc.max_running_requests, chunk_tokens=sc.chunk_tokens, batch_tokens=sc.prefill_batch_tokens,
         admit_during_forward=sc.admit_during_forward, overlap=lp.overlap, prefetch=lp.prefetch,
         prefetch_host_share=lp.prefetch_host_share,
@@ -320,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
     sessions = None
     try:
         cfg = load_config(args.config)
+        if args.settings:
+            cfg = override(cfg, parse_settings(args.settings), "--set")
         if args.calibration:
             from hicache.replay.calibration import apply_calibration, read_calibration
 

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller import CostModel, L3Worker, TierController, WritePolicy
+from controller import CostModel, TierController, WritePolicy
 from hicache.replay.reuse import ReuseProfile
-from hicache.replay.store import ReplayL3
+from hicache.replay.store import InlineWorker, ReplayL3
 from hicache.replay.trace import TraceRecord
 from radix import DEFAULT_NAMESPACE, DISK, TIERS, CacheNamespace, RadixTree, namespace_fingerprint
 from tiers import MetadataPool
@@ -125,7 +125,7 @@ class Replayer:
         device = MetadataPool(setup.device_blocks, setup.block_bytes, "device")
         host = MetadataPool(setup.host_blocks, setup.block_bytes, "host") if setup.host_blocks else None
         self.store = ReplayL3(setup.disk_blocks, setup.block_bytes, setup.admission_hits) if setup.disk_blocks else None
-        worker = L3Worker(self.store, synchronous=True) if self.store is not None else None
+        worker = InlineWorker(self.store) if self.store is not None else None
         # not adaptive: the server follows the disk's measured speed, but here a "read" is a metadata call whose
         # time says nothing about a disk, and decisions that followed it would differ from run to run
         cost = CostModel(setup.block_tokens, setup.block_bytes, setup.load_mode, setup.prefill_tokens_per_s,

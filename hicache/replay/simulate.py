@@ -32,7 +32,7 @@ from typing import Any
 from controller import CostModel, TierController
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status
-from hicache.engine.scheduler import Scheduler
+from hicache.engine.scheduler import PREFETCH_RECHECK_S, Scheduler
 from hicache.replay.core import ReplayError, ReplaySetup, ReplayTotals
 from hicache.replay.store import ReplayL3
 from hicache.replay.timed import SimClock, TimedCopier, TimedWorker
@@ -50,6 +50,8 @@ class TimeSetup:
     decode_step_s: float = 0.010  # a step of decodes only, without its sequences' own part
     decode_seq_s: float = 0.0  # each decoding sequence in a step
     disk_write_bytes_per_s: float | None = None  # None: the read bandwidth
+    disk_read_limit_bytes_per_s: float | None = None  # a cap on the disk's reads (cache.l3.read_limit_gbps)
+    disk_shared: bool = True  # reads and writes take turns on one disk (False: an L3 capped per direction)
     max_running: int = 64
     chunk_tokens: int = 2048
     batch_tokens: int = 0
@@ -125,9 +127,12 @@ class TimedReplay:
         self.copier = TimedCopier(clock, bb, setup.host_to_device_bytes_per_s)
         self.worker = None
         if self.store is not None:
-            write_bw = t.disk_write_bytes_per_s or setup.disk_to_device_bytes_per_s
-            self.worker = TimedWorker(clock, self.store, bb, setup.disk_to_device_bytes_per_s, write_bw,
-                                      t.l3_queue_pages)
+            read_bw = setup.disk_to_device_bytes_per_s
+            if t.disk_read_limit_bytes_per_s:
+                read_bw = min(read_bw or t.disk_read_limit_bytes_per_s, t.disk_read_limit_bytes_per_s)
+            write_bw = t.disk_write_bytes_per_s or read_bw
+            self.worker = TimedWorker(clock, self.store, bb, read_bw, write_bw, t.l3_queue_pages,
+                                      shared=t.disk_shared)
         cost = CostModel(bt, bb, setup.load_mode, setup.prefill_tokens_per_s, setup.host_to_device_bytes_per_s,
                          setup.disk_to_device_bytes_per_s, attention_seconds_per_pair=setup.attention_seconds_per_pair,
                          adaptive=False, overlap=t.overlap)
@@ -214,17 +219,63 @@ class TimedReplay:
             k = min(k, max(1, math.ceil((event - self.clock.now) / step_s)))
         return max(1, k)
 
+    def _stretch(self, plan: list[tuple[Request, int]]) -> tuple[list[tuple[Request, int]], int]:
+        """A plan of one request's prefill chunk, widened to the next k chunks where the scheduler would plan
+        nothing else until they are done: nothing loading, no gap, its own backlog keeping admission shut
+        (`_admit` admits below one chunk of backlog), no decoding request finishing, and no arrival or prefetch
+        recheck due before the last of them starts. The same prefill seconds, k decode tokens for
+        the decoding requests, one commit: a long prompt costs the replay one step instead of k. (plan, k)."""
+        sched = self.sched
+        chunk = sched.chunk_tokens
+        if len(plan) != 1 or sched.loading or sched.admit_during_forward:
+            return plan, 1
+        req, n = plan[0]
+        if n != chunk or not isinstance(req, SimRequest) or req.ticket is None or req.ticket.gap is not None:
+            return plan, 1
+        k = (len(req.token_ids) - req.computed - 1) // chunk
+        if self.decoding:
+            k = min(k, min(r.decode_left for r in self.decoding))
+        if k <= 1:
+            return plan, 1
+        # I/O that ends meanwhile changes nothing the plan reads (nothing is loading): applied after, as a step's is
+        event = self.arrivals[0][0] if self.arrivals else None
+        if sched.waiting:  # the front of the queue rechecks its prefetches this often (Scheduler._prefetch)
+            recheck = self.clock.now + PREFETCH_RECHECK_S
+            event = recheck if event is None else min(event, recheck)
+        if event is not None:  # step j (0-based) starts after j chunks: the last merged one must start before it
+            bt, cost, start = self.setup.block_tokens, self.ctrl.cost, self.clock.now
+            per_step = len(self.decoding) * self.t.decode_seq_s
+            j = 1
+            while j < k:
+                start += cost.prefill_seconds((req.computed + (j - 1) * chunk) * bt,
+                                              (req.computed + j * chunk) * bt) + per_step
+                if start >= event:
+                    break
+                j += 1
+            k = j
+        if k <= 1:
+            return plan, 1
+        need = req.computed + k * chunk - len(req.pages)
+        pages = self.ctrl.alloc_device(need) if need > 0 else []
+        if pages is None:
+            return plan, 1
+        req.pages.extend(pages)
+        return [(req, k * chunk)], k
+
     def run(self) -> TimedResult:
         clock, sched = self.clock, self.sched
         while True:
             self._admit_arrivals()
+            steps = 1
             with sched.step() as plan:
                 if plan:
+                    plan, steps = self._stretch(plan)
                     sched.before_forward(plan)
                     prefill, decode = self._forward_seconds(plan)
+                    decode *= steps
                     sched.after_forward(plan)
             if plan:
-                steps = 1
+                pass
             elif self.decoding:
                 prefill, decode = self._forward_seconds(plan)
                 steps = self._decode_steps(decode)

@@ -1,4 +1,5 @@
-"""The replay's L3 stand-in: an in-memory key index with the store's admission rule and a traffic log."""
+"""The replay's L3 stand-in: an in-memory key index with the store's admission rule and a traffic log, and the
+worker that calls it inline."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tiers.l3.admission import admission_policy
+from tiers.l3.worker import Completion
 from tiers.metadata_pool import MetadataL3
 
 
@@ -69,3 +71,38 @@ class ReplayL3(MetadataL3):
     def unread_pages(self) -> int:
         """Pages on disk now that were written and never read."""
         return len(self._unread)
+
+
+class InlineWorker:
+    """The L3 worker of a replay (controller.ports.Worker): each job runs on the caller's thread as it is submitted
+    and its completion waits for the next `completions()`, as a worker thread's would. The store is an index in
+    memory, so there is nothing to overlap, and no lock or queue to pay for per job."""
+
+    refusal = "l3_queue_full"
+    queued_write_pages = 0  # every write is done by the time it is queued
+
+    def __init__(self, store: Any, queue_pages: int = 1 << 62):
+        self.store = store
+        self.queue_pages = queue_pages
+        self._done: list[Completion] = []
+
+    def submit_write(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any], before: Any = None) -> bool:
+        results = self.store.write_pages(keys, pages)
+        self._done.append(Completion("write", token, results, frozenset(keys), reasons=(None,) * len(results)))
+        return True
+
+    def submit_read(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any]) -> None:
+        self._done.append(Completion("read", token, list(self.store.read_pages(keys, pages)), frozenset(keys)))
+
+    def completions(self) -> list[Completion]:
+        done, self._done = self._done, []
+        return done
+
+    def stage(self, pages: Sequence[Any]) -> list[Any] | None:
+        return list(pages)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        return None

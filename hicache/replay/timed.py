@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.replay.store import InlineWorker
 from tiers.copy import COMPLETED, TransferHandle
-from tiers.l3.worker import Completion, L3Worker
+from tiers.l3.worker import Completion
 
 
 class SimClock:
@@ -102,22 +103,27 @@ class _DiskJob:
 
 
 class TimedWorker:
-    """The L3 worker on the clock (controller.ports.Worker): the metadata store answers at once (a synchronous
-    `L3Worker`), and each answer is handed to the controller when the disk would have finished the job."""
+    """The L3 worker on the clock (controller.ports.Worker): the metadata store answers at once (an
+    `InlineWorker`), and each answer is handed to the controller when the disk would have finished the job.
+
+    `shared`: reads and writes take turns on one disk, reads first (a drive's bandwidth is shared); else each
+    direction runs on its own (an L3 capped per direction, cache.l3.read_limit_gbps and write_limit_gbps, far below
+    what the drive does)."""
 
     def __init__(self, clock: SimClock, store: Any, page_bytes: int, read_bytes_per_s: float | None,
-                 write_bytes_per_s: float | None, queue_pages: int = 4096, batch_pages: int = 32):
+                 write_bytes_per_s: float | None, queue_pages: int = 4096, batch_pages: int = 32,
+                 shared: bool = True):
         self.clock = clock
-        self.inner = L3Worker(store, queue_pages=1 << 62, synchronous=True)
+        self.inner = InlineWorker(store)
         self.page_bytes = page_bytes
-        self.read_bytes_per_s = read_bytes_per_s
-        self.write_bytes_per_s = write_bytes_per_s
+        self.bytes_per_s = {"read": read_bytes_per_s, "write": write_bytes_per_s}
         self.queue_pages = queue_pages
         self.batch_pages = batch_pages
-        self._reads: deque[_DiskJob] = deque()
-        self._writes: deque[_DiskJob] = deque()
-        self._running: deque[_DiskJob] = deque()  # started, in order of their ends
-        self._free_at = 0.0  # when the disk finishes what it has started
+        self.shared = shared
+        self._queues: dict[str, deque[_DiskJob]] = {"read": deque(), "write": deque()}
+        self._free_at = {"read": 0.0, "write": 0.0}  # when each channel finishes what it started (shared: "read")
+        self._running: list[tuple[float, int, _DiskJob]] = []  # heap by end
+        self._seq = 0
         self._queued_write_pages = 0  # submitted and not yet handed back
         self.busy_s = {"read": 0.0, "write": 0.0}  # disk time spent on each
         self.reads: list[tuple[float, int]] = []  # (start in ms, pages) of each read, for the bandwidth report
@@ -130,7 +136,7 @@ class TimedWorker:
 
     def _job(self, kind: str, pages: int, ready: float) -> _DiskJob:
         done = self.inner.completions()
-        assert len(done) == 1, "a synchronous L3 worker answers each job at once"
+        assert len(done) == 1, "an inline worker answers each job as it is submitted"
         return _DiskJob(kind, pages, max(self.clock.now, ready), done[0])
 
     def submit_write(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any],
@@ -141,54 +147,55 @@ class TimedWorker:
         ready = getattr(getattr(before, "__self__", None), "end", 0.0)
         self.inner.submit_write(token, keys, pages)
         self._queued_write_pages += len(keys)
-        self._writes.append(self._job("write", len(keys), ready))
+        self._queues["write"].append(self._job("write", len(keys), ready))
         return True
 
     def submit_read(self, token: Any, keys: Sequence[bytes], pages: Sequence[Any]) -> None:
         self.inner.submit_read(token, keys, pages)
-        self._reads.append(self._job("read", len(keys), 0.0))
+        self._queues["read"].append(self._job("read", len(keys), 0.0))
 
-    def _seconds(self, job: _DiskJob) -> float:
-        bw = self.read_bytes_per_s if job.kind == "read" else self.write_bytes_per_s
-        return job.pages * self.page_bytes / bw if bw and self.page_bytes else 0.0
+    def _start(self, batch: list[_DiskJob], t: float) -> float:
+        """Run a batch from t on; returns when it ends."""
+        for job in batch:
+            bw = self.bytes_per_s[job.kind]
+            seconds = job.pages * self.page_bytes / bw if bw and self.page_bytes else 0.0
+            if job.kind == "read":
+                self.reads.append((t * 1e3, job.pages))
+            self.busy_s[job.kind] += seconds
+            t += seconds
+            job.end = t
+            self._seq += 1
+            heapq.heappush(self._running, (t, self._seq, job))
+        return t
 
     def _run(self, now: float) -> None:
-        """Start every job the disk takes up by `now`: at each moment it is free, the oldest read that has been
-        submitted, else a batch of writes (up to batch_pages) that may start."""
-        while self._reads or self._writes:
-            t = self._free_at
-            head_r = self._reads[0] if self._reads else None
-            head_w = self._writes[0] if self._writes else None
-            start = min(j.submitted for j in (head_r, head_w) if j is not None)
-            t = max(t, start)
-            if t > now:
-                return
-            if head_r is not None and head_r.submitted <= t:
-                batch = [self._reads.popleft()]
-            elif head_w is not None and head_w.submitted <= t:
-                batch, pages = [self._writes.popleft()], head_w.pages
-                while self._writes and self._writes[0].submitted <= t and pages + self._writes[0].pages <= \
-                        self.batch_pages:
-                    pages += self._writes[0].pages
-                    batch.append(self._writes.popleft())
-            else:
-                return
-            for job in batch:
-                if job.kind == "read":
-                    self.reads.append((t * 1e3, job.pages))
-                seconds = self._seconds(job)
-                self.busy_s[job.kind] += seconds
-                t += seconds
-                job.end = t
-                self._running.append(job)
-            self._free_at = t
+        """Start every job the disk takes up by `now`. Shared: at each moment the disk is free, the oldest read that
+        has been submitted, else a batch of writes (up to batch_pages) that may start. Per direction: each queue
+        in order on its own channel."""
+        kinds = ("read",) if self.shared else ("read", "write")
+        for channel in kinds:
+            queues = ["read", "write"] if self.shared else [channel]
+            while any(self._queues[k] for k in queues):
+                heads = {k: self._queues[k][0].submitted for k in queues if self._queues[k]}
+                t = max(self._free_at[channel], min(heads.values()))
+                if t > now:
+                    break
+                kind = next(k for k in queues if k in heads and heads[k] <= t)
+                queue = self._queues[kind]
+                batch = [queue.popleft()]
+                pages = batch[0].pages
+                while kind == "write" and queue and queue[0].submitted <= t and \
+                        pages + queue[0].pages <= self.batch_pages:
+                    pages += queue[0].pages
+                    batch.append(queue.popleft())
+                self._free_at[channel] = self._start(batch, t)
 
     def completions(self) -> list[Completion]:
         now = self.clock.now
         self._run(now)
         out = []
-        while self._running and self._running[0].end <= now:
-            job = self._running.popleft()
+        while self._running and self._running[0][0] <= now:
+            job = heapq.heappop(self._running)[2]
             if job.kind == "write":
                 self._queued_write_pages -= job.pages
             out.append(job.completion)
@@ -198,8 +205,8 @@ class TimedWorker:
         """When the disk next hands back a job (None: nothing is in flight or queued)."""
         self._run(self.clock.now)
         if self._running:
-            return self._running[0].end
-        heads = [q[0].submitted for q in (self._reads, self._writes) if q]
+            return self._running[0][0]
+        heads = [q[0].submitted for q in self._queues.values() if q]
         return min(heads) if heads else None  # queued behind a copy still landing: starts then
 
     def stage(self, pages: Sequence[Any]) -> list[Any] | None:
@@ -209,7 +216,7 @@ class TimedWorker:
         """Move the clock to the end of everything submitted (the engine thread waits for the disk)."""
         self._run(float("inf"))
         if self._running:
-            self.clock.block_until(self._running[-1].end)
+            self.clock.block_until(max(end for end, _, _ in self._running))
         return True
 
     def close(self) -> None:

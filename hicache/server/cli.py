@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from hicache.config import Config, ConfigError, ServerConfig, load_config, override, set_tier_tokens
+from hicache.config import Config, ConfigError, ServerConfig, load_config, override, parse_settings, set_tier_tokens
 from radix import DEVICE, TIERS
 
 logger = logging.getLogger(__name__)
@@ -106,22 +106,6 @@ def build_config(args: argparse.Namespace) -> Config:
         if tokens is not None:
             cfg = set_tier_tokens(cfg, tier, tokens)
     return override(cfg, parse_settings(getattr(args, "settings", [])), "--set")
-
-
-def parse_settings(settings: list[str]) -> dict[str, Any]:
-    """--set KEY=VALUE items as dotted overrides; each VALUE is parsed as YAML (numbers, true/false, null)."""
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in settings:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. cache.write_policy.defer_above_free=1.0")
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {e}") from None
-    return out
 
 
 def _trace_window(text: str) -> tuple[int, int]:

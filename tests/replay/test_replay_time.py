@@ -12,10 +12,10 @@ from controller import WritePolicy
 from hicache.cli import main
 from hicache.replay.core import ReplaySetup
 from hicache.replay.simulate import TimedReplay, TimeSetup, open_loop
+from hicache.replay.store import ReplayL3
 from hicache.replay.timed import SimClock, TimedCopier, TimedWorker
 from hicache.replay.trace import TraceRecord
 from hicache.server.metrics import ServerMetrics, decode_step_fit
-from tiers import MetadataPool
 
 BT = 100  # tokens per block
 SPEED = 10_000.0  # prefill tokens per second
@@ -68,7 +68,7 @@ def test_a_disk_read_of_n_bytes_at_b_bytes_a_second_lands_after_n_over_b() -> No
     """3 pages of 1 MB at 0.1 GB/s: 30 ms. A write queued first yields to it (reads first), and takes its own
     time at the write bandwidth after it."""
     clock = SimClock()
-    worker = TimedWorker(clock, MetadataPool(10, 1_000_000), 1_000_000, 1e8, 5e7)
+    worker = TimedWorker(clock, ReplayL3(10, 1_000_000), 1_000_000, 1e8, 5e7)
     worker.submit_read("r", [b"a", b"b", b"c"], [0, 1, 2])
     assert worker.completions() == [] and worker.next_end() == pytest.approx(0.03)
     clock.advance_to(0.0299)
@@ -76,8 +76,7 @@ def test_a_disk_read_of_n_bytes_at_b_bytes_a_second_lands_after_n_over_b() -> No
     clock.advance_to(0.03)
     assert [c.token for c in worker.completions()] == ["r"]
     clock2 = SimClock()
-    store = MetadataPool(10, 1_000_000)
-    w = TimedWorker(clock2, store, 1_000_000, 1e8, 5e7)
+    w = TimedWorker(clock2, ReplayL3(10, 1_000_000), 1_000_000, 1e8, 5e7)
     # a write queued behind a copy that lands at 10 ms; a read submitted meanwhile goes first
     copy = TimedCopier(clock2, 1_000_000, 1e8).to_host([0], [0])  # 1 MB at 0.1 GB/s: lands at 10 ms
     assert w.submit_write("w", [b"x"], [0], before=copy.wait)
@@ -89,6 +88,15 @@ def test_a_disk_read_of_n_bytes_at_b_bytes_a_second_lands_after_n_over_b() -> No
     clock2.advance_to(0.03)
     assert [c.token for c in w.completions()] == ["w"] and w.queued_write_pages == 0
     assert w.busy_s == {"read": pytest.approx(0.01), "write": pytest.approx(0.02)}
+    # an L3 capped per direction: the two run side by side, each at its own rate
+    clock3 = SimClock()
+    apart = TimedWorker(clock3, ReplayL3(10, 1_000_000), 1_000_000, 1e8, 5e7, shared=False)
+    assert apart.submit_write("w", [b"x"], [0])
+    apart.submit_read("r", [b"a"], [1])
+    clock3.advance_to(0.01)
+    assert [c.token for c in apart.completions()] == ["r"]
+    clock3.advance_to(0.02)
+    assert [c.token for c in apart.completions()] == ["w"]
 
 
 def test_a_prefix_on_disk_waits_for_its_read_then_its_copy() -> None:
