@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.replay.agent import AgentSession, AgentTurn, parse_agent_session
+from hicache.replay.agent import AgentSession, parse_agent_session
 from hicache.replay.trace import TraceError, parse_lines
 
 BLOCK_SIZE = 64  # tokens per hash id in agent traces
@@ -105,10 +105,9 @@ def _agent_session(obj: dict[str, Any], name: str, scope: str, block_size: int, 
 
 
 def _session(parsed: AgentSession, name: str, scope: str, block_size: int) -> Session:
-    """A parsed session's turns with their think times (where not recorded: the gap since the previous request
-    less that one's API time), its sub-agents as sessions of their own, named after their parent."""
+    """A parsed session's turns with their think times (AgentTurn.think_s), its sub-agents as sessions of their
+    own, named after their parent."""
     session = Session(name, scope, block_size)
-    prev: AgentTurn | None = None
     subagents = 0
     for step in parsed.steps:
         if isinstance(step, list):
@@ -119,12 +118,8 @@ def _session(parsed: AgentSession, name: str, scope: str, block_size: int) -> Se
                 group.append(_session(sub, sub_name, scope, block_size))
             session.steps.append(group)
             continue
-        think = step.think_time
-        if think is None:
-            think = 0.0 if prev is None else max(0.0, step.t - prev.t - (prev.api_time or 0.0))
         session.steps.append(SessionTurn(len(session.requests()), step.input_length, step.output_length,
-                                         step.hash_ids, max(0.0, think)))
-        prev = step
+                                         step.hash_ids, step.think_s))
     return session
 
 

@@ -30,6 +30,8 @@ class AgentTurn:
     t: float  # seconds from the session's start
     think_time: float | None  # seconds the agent spent before sending it; None where not recorded
     api_time: float | None  # the recorded server time of the request, where there is one
+    think_s: float = 0.0  # the wait before it, closed loop: think_time, else the gap since the previous turn less
+    # that turn's api_time (0 for a session's first turn)
 
 
 @dataclass
@@ -51,6 +53,7 @@ def parse_agent_session(obj: dict[str, Any], block_size: int, where: str) -> Age
     if not isinstance(requests, list):
         raise TraceError(f"{where}: `requests` must be a list")
     group: list[AgentSession] | None = None
+    prev: AgentTurn | None = None
     for i, r in enumerate(requests):
         if not isinstance(r, dict):
             raise TraceError(f"{where}: request {i} is not an object")
@@ -71,8 +74,13 @@ def parse_agent_session(obj: dict[str, Any], block_size: int, where: str) -> Age
         if len(ids) > -(-n_in // block_size):
             raise TraceError(f"{where}: request {i} has {len(ids)} hash_ids for {n_in} tokens")
         out = n_out if isinstance(n_out, int) and not isinstance(n_out, bool) else 0
-        session.steps.append(AgentTurn(i, n_in, max(0, out), ids, float(t), _number(r.get("think_time")),
-                                       _number(r.get("api_time"))))
+        turn = AgentTurn(i, n_in, max(0, out), ids, float(t), _number(r.get("think_time")), _number(r.get("api_time")))
+        think = turn.think_time
+        if think is None:
+            think = 0.0 if prev is None else turn.t - prev.t - (prev.api_time or 0.0)
+        turn.think_s = max(0.0, think)
+        session.steps.append(turn)
+        prev = turn
     return session
 
 
@@ -92,17 +100,16 @@ def _agent_requests(session: AgentSession, scope: str, start_s: float, out: list
                                 for h in step.hash_ids], step.index + 1))
 
 
-def read_agent_sessions(paths: Sequence[str | Path], offset_s: float = 0.0) -> Trace:
-    """Agent-session JSON files (or directories of them) as one trace: session k starts at k * offset_s seconds
-    (0: all at once), its requests at their own `t` after that, all of them in time order; hash ids are unique per
-    session (scope: the file's `id`, or its name) unless the file says `hash_id_scope: global`. Sub-agents are
-    flattened into their session at their own times."""
+def load_agent_sessions(paths: Sequence[str | Path]) -> tuple[int, list[tuple[str, AgentSession]]]:
+    """Agent-session JSON files (or directories of them), parsed: (block size, [(hash id scope, session)]) in file
+    order; hash ids are unique per session (scope: the file's `id`, or its name) unless the file says
+    `hash_id_scope: global`."""
     files = []
     for p in map(Path, paths):
         files += sorted(f for f in p.iterdir() if f.suffix == ".json") if p.is_dir() else [p]
     if not files:
         raise TraceError(f"{', '.join(map(str, paths))}: no agent session files (.json)")
-    records: list[TraceRecord] = []
+    sessions: list[tuple[str, AgentSession]] = []
     block_tokens = None
     for k, f in enumerate(files):
         try:
@@ -119,11 +126,24 @@ def read_agent_sessions(paths: Sequence[str | Path], offset_s: float = 0.0) -> T
         elif bt != block_tokens:
             raise TraceError(f"{f}: block_size {bt} differs from the other files' {block_tokens}")
         scope = "global" if obj.get("hash_id_scope") == "global" else f"{k}:{obj.get('id') or f.stem}"
-        _agent_requests(parse_agent_session(obj, bt, str(f)), scope, k * offset_s, records, {})
+        sessions.append((scope, parse_agent_session(obj, bt, str(f))))
+    assert block_tokens is not None
+    return block_tokens, sessions
+
+
+def read_agent_sessions(paths: Sequence[str | Path], offset_s: float = 0.0) -> Trace:
+    """Agent-session JSON files (or directories of them) as one trace: session k starts at k * offset_s seconds
+    (0: all at once), its requests at their own `t` after that, all of them in time order; hash ids are unique per
+    session (scope: the file's `id`, or its name) unless the file says `hash_id_scope: global`. Sub-agents are
+    flattened into their session at their own times."""
+    block_tokens, sessions = load_agent_sessions(paths)
+    records: list[TraceRecord] = []
+    for k, (scope, session) in enumerate(sessions):
+        _agent_requests(session, scope, k * offset_s, records, {})
     records.sort(key=lambda r: r.timestamp_ms)
     for line, rec in enumerate(records, 1):
         rec.line = line
-    name = str(paths[0]) if len(paths) == 1 else f"{len(files)} agent sessions"
+    name = str(paths[0]) if len(paths) == 1 else f"{len(sessions)} agent sessions"
     return Trace(name, AGENT, block_tokens, records)
 
 

@@ -16,7 +16,7 @@ from controller.policy import WRITE_POLICIES
 from controller.reuse import ADMIT_MODES
 from hicache.config import ConfigError, TierSize, load_config, override, parse_settings, resolve_sizes
 from hicache.modelinfo import model_shape, resolve_dtype
-from hicache.replay.agent import is_agent_trace, read_agent_sessions
+from hicache.replay.agent import is_agent_trace, load_agent_sessions, read_agent_sessions
 from hicache.replay.core import Replayer, ReplayError, ReplaySetup
 from hicache.replay.reuse import ReuseProfile, stack_depths
 from hicache.replay.summary import CostInputs, format_table, summarize, time_summary
@@ -343,9 +343,7 @@ def run(args: argparse.Namespace) -> int:
         if is_agent_trace(args.trace):
             trace = read_agent_sessions([args.trace], args.session_offset_s)
             if not args.no_time:  # closed loop, as bench agent runs them
-                from hicache.bench_client.workload import load_traces
-
-                sessions = load_traces([args.trace])
+                sessions = load_agent_sessions([args.trace])[1]
         else:
             trace = read_trace(args.trace, args.block_tokens, args.strict)
         flags = {"device": args.device_tokens, "host": args.host_tokens, "disk": args.disk_tokens}

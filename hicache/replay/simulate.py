@@ -33,6 +33,7 @@ from controller import CostModel, TierController
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status
 from hicache.engine.scheduler import PREFETCH_RECHECK_S, Scheduler
+from hicache.replay.agent import AgentSession
 from hicache.replay.core import ReplayError, ReplaySetup, ReplayTotals
 from hicache.replay.store import ReplayL3
 from hicache.replay.timed import SimClock, TimedCopier, TimedWorker
@@ -369,12 +370,12 @@ def open_loop(replay: TimedReplay, records: Sequence[TraceRecord]) -> None:
                       replay.request(rec.hash_ids, rec.input_length, rec.output_length, record=i))
 
 
-def closed_loop(replay: TimedReplay, sessions: Sequence[Any], output_length: int, think_scale: float = 0.0,
-                max_think: float = 60.0, concurrency: int | None = None) -> None:
-    """Agent sessions (hicache.bench_client.workload.Session) run as `hicache bench agent` runs them: each turn
-    sent when the one before it answered, after its think time x think_scale (at most max_think); a group of
-    sub-agents starts together and its parent goes on once all have ended; at most `concurrency` top-level sessions
-    at once (None: all)."""
+def closed_loop(replay: TimedReplay, sessions: Sequence[tuple[str, AgentSession]], output_length: int,
+                think_scale: float = 0.0, max_think: float = 60.0, concurrency: int | None = None) -> None:
+    """Agent sessions ((hash id scope, session), hicache/replay/agent.py) run as `hicache bench agent` runs them:
+    each turn sent when the one before it answered, after its think time x think_scale (at most max_think; none
+    before a session's first turn); a group of sub-agents starts together and its parent goes on once all have
+    ended; at most `concurrency` top-level sessions at once (None: all)."""
     tokens: dict[tuple[str, Any], int] = {}
 
     def block(scope: str, h: Any) -> int:
@@ -384,7 +385,7 @@ def closed_loop(replay: TimedReplay, sessions: Sequence[Any], output_length: int
             tok = tokens[key] = block_token(f"{scope}:{h}")
         return tok
 
-    def walk(session: Any, at: float, first: bool, done: Callable[[float], None]) -> None:
+    def walk(scope: str, session: AgentSession, at: float, first: bool, done: Callable[[float], None]) -> None:
         steps = iter(session.steps)
 
         def next_step(t: float, first: bool = False) -> None:
@@ -401,10 +402,10 @@ def closed_loop(replay: TimedReplay, sessions: Sequence[Any], output_length: int
                         next_step(end)
 
                 for sub in step:
-                    walk(sub, t, False, sub_done)
+                    walk(scope, sub, t, False, sub_done)
                 return
-            wait = 0.0 if first else min(step.think_time * think_scale, max_think)
-            req = replay.request([block(session.scope, h) for h in step.hash_ids], step.input_length,
+            wait = 0.0 if first else min(step.think_s * think_scale, max_think)
+            req = replay.request([block(scope, h) for h in step.hash_ids], step.input_length,
                                  min(max(step.output_length, 1), output_length), on_finish=next_step)
             replay.arrive(t + wait, req)
 
@@ -415,7 +416,8 @@ def closed_loop(replay: TimedReplay, sessions: Sequence[Any], output_length: int
 
     def start_next(t: float) -> None:
         if queue:
-            walk(queue.pop(0), t, True, start_next)
+            scope, session = queue.pop(0)
+            walk(scope, session, t, True, start_next)
 
     for _ in range(min(slots, len(queue))):
         start_next(0.0)
