@@ -238,6 +238,8 @@ class Scheduler:
         admitted = self.running + self.loading
         # tokens left to prefill (a decoding request has none: its last token is computed as it decodes)
         backlog = sum(max(0, len(r.token_ids) - r.computed - 1) for r in admitted) - in_flight
+        if backlog >= self.chunk_tokens:
+            return  # a step's worth of prefill is queued already
         reserved = sum(self._pages_needed(r) for r in admitted)
         capacity = self.ctrl.device.capacity_pages
         while self.waiting and len(self.running) + len(self.loading) < self.max_running:
