@@ -82,7 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-window-ms", type=float, default=1000.0,
                    help="window for the peak disk read bandwidth (default 1000 ms)")
     p.add_argument("--strict", action="store_true", help="fail on the first bad trace line (default: skip)")
-    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--limit", type=int, help="replay only the first N requests (agent sessions run closed-loop: the "
+                                             "first N sessions)")
     p.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=A,B,C",
                    help="sweep a tier's capacity (device, host, disk: tokens with k/M/G, or bytes with GiB/GB...) "
