@@ -2,12 +2,13 @@
 
 `hicache serve` times its prefill (and the attention cost per token of context) at startup and follows the disk's
 measured reads; /metrics exports what its cost model uses now (`hicache_cost_prefill_tokens_per_second`,
-`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`) and what its decode-only steps
-took (`hicache_cost_decode_step_seconds`, `hicache_cost_decode_seconds_per_sequence`: the time model's decode
-costs). SOURCE is that text saved to a file (`curl -s http://HOST:PORT/metrics > server.metrics`) or the server's
-address. The values fold into the config's
-`cache.load_policy`, so a replay's load-or-recompute decisions and its prefill times use the server's own numbers;
-flags still override them. A 0 in the metrics means unknown and is left out.
+`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`), what its decode-only steps took
+(`hicache_cost_decode_step_seconds`, `hicache_cost_decode_seconds_per_sequence`: the time model's decode costs) and
+how long its engine thread scheduled a step besides the forward (`hicache_engine_schedule_seconds`, less
+`hicache_engine_schedule_overlapped_seconds`, over `hicache_engine_steps`). SOURCE is that text saved to a file
+(`curl -s http://HOST:PORT/metrics > server.metrics`) or the server's address. The cost-model values fold into the
+config's `cache.load_policy`, so a replay's load-or-recompute decisions and its prefill times use the server's own
+numbers; flags still override them. A 0 in the metrics means unknown and is left out.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Calibration:
     # what its decode-only steps took (a fit of step time against sequences): for the time model, not the config
     decode_step_s: float | None = None
     decode_seq_s: float | None = None
+    # the engine thread's scheduling a step, less what overlapped the forward: what a step costs beyond its forward
+    step_overhead_s: float | None = None
 
 
 LOAD_POLICY_FIELDS = ("prefill_tokens_per_s", "attention_ns_per_pair", "host_to_device_gbps", "disk_to_device_gbps")
@@ -60,6 +63,7 @@ def parse_calibration(text: str, source: str = "<metrics>") -> Calibration:
     from prometheus_client.parser import text_string_to_metric_families
 
     values: dict[str, float] = {}
+    engine: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -73,12 +77,20 @@ def parse_calibration(text: str, source: str = "<metrics>") -> Calibration:
                     values["decode_step_s"] = s.value
                 elif s.name == "hicache_cost_decode_seconds_per_sequence":
                     values["decode_seq_s"] = s.value
+                elif s.name in ("hicache_engine_steps_total", "hicache_engine_schedule_seconds_total",
+                                "hicache_engine_schedule_overlapped_seconds_total"):
+                    engine[s.name] = s.value
     except ValueError as e:
         raise ReplayError(f"--calibration {source}: not Prometheus text: {e}") from None
     if not values:
         raise ReplayError(f"--calibration {source}: no hicache_cost_* metrics in it (is it a hicache server's "
                           "/metrics?)")
-    zero_known = ("attention_ns_per_pair", "decode_seq_s")  # 0 is a measured value for these
+    steps = engine.get("hicache_engine_steps_total", 0)
+    if steps > 0 and "hicache_engine_schedule_seconds_total" in engine:
+        own = engine["hicache_engine_schedule_seconds_total"] - engine.get(
+            "hicache_engine_schedule_overlapped_seconds_total", 0.0)
+        values["step_overhead_s"] = max(0.0, own) / steps
+    zero_known = ("attention_ns_per_pair", "decode_seq_s", "step_overhead_s")  # 0 is a measured value for these
     known = {k: v for k, v in values.items() if v > 0 or (k in zero_known and v == 0)}
     return Calibration(**known)
 

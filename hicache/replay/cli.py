@@ -98,6 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                         "(default: the calibration's, else 10 ms, assumed)")
     t.add_argument("--decode-seq-ms", type=float, help="each decoding sequence's share of a step (default: the "
                                                        "calibration's, else 0)")
+    t.add_argument("--step-overhead-ms", type=float, help="the engine thread's own time a step with prefill, "
+                   "besides the forward (default: the calibration's, else 0)")
     t.add_argument("--disk-write-gbps", type=float, help="disk write bandwidth, GB/s (default: the read bandwidth)")
     t.add_argument("--output-length", type=int, default=16,
                    help="agent sessions: answer tokens at most, as `hicache bench agent` sends them (default 16)")
@@ -204,8 +206,11 @@ def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibratio
     seq_ms = args.decode_seq_ms
     if seq_ms is None and calibration is not None and calibration.decode_seq_s is not None:
         seq_ms = calibration.decode_seq_s * 1e3
+    overhead_ms = args.step_overhead_ms
+    if overhead_ms is None and calibration is not None and calibration.step_overhead_s is not None:
+        overhead_ms = calibration.step_overhead_s * 1e3
     for name, value in (("--decode-step-ms", step_ms), ("--decode-seq-ms", seq_ms), ("--think-scale", args.think_scale),
-                        ("--max-think", args.max_think)):
+                        ("--max-think", args.max_think), ("--step-overhead-ms", overhead_ms)):
         if value is not None and not value >= 0:
             raise ReplayError(f"{name} must be >= 0, got {value}")
     if args.output_length < 1 or (args.concurrency is not None and args.concurrency < 1):
@@ -218,7 +223,7 @@ def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibratio
     sc, lp = cfg.scheduler, cfg.cache.load_policy
     page = cfg.cache.page_size
     return TimeSetup(
-        decode_step_s=step_ms * 1e-3, decode_seq_s=(seq_ms or 0.0) * 1e-3,
+        decode_step_s=step_ms * 1e-3, decode_seq_s=(seq_ms or 0.0) * 1e-3, step_overhead_s=(overhead_ms or 0.0) * 1e-3,
         disk_write_bytes_per_s=None if write is None else write * 1e9,
         disk_read_limit_bytes_per_s=None if rates.get("disk_gbps") or not l3.read_limit_gbps else
         l3.read_limit_gbps * 1e9,

@@ -5,8 +5,8 @@ takes, with a given set of tiers. It runs the server's own code, `hicache.engine
 chunked prefill, prefetch of queued requests' disk pages, read deadlines in load mode auto, preemption) over the
 real `TierController`, and gives each thing that takes time its time (hicache/replay/timed.py for the byte movers):
 - a step's forward: its prefill tokens priced as the server's cost model prices them (tokens / prefill speed plus
-  the attention term for each token's position), plus `decode_seq_s` per decoding sequence; a step of decodes only
-  costs `decode_step_s` plus the same per sequence;
+  the attention term for each token's position) and the engine thread's own time a step (`step_overhead_s`), plus
+  `decode_seq_s` per decoding sequence; a step of decodes only costs `decode_step_s` plus the same per sequence;
 - host <-> GPU copies at the host bandwidth, L3 reads and writes at the disk's, queued as the server queues them.
 
 Units: one trace block is one page of the tree, and the scheduler counts blocks where the server counts tokens
@@ -50,6 +50,7 @@ class TimeSetup:
 
     decode_step_s: float = 0.010  # a step of decodes only, without its sequences' own part
     decode_seq_s: float = 0.0  # each decoding sequence in a step
+    step_overhead_s: float = 0.0  # the engine thread's own time a step with prefill, besides the forward
     disk_write_bytes_per_s: float | None = None  # None: the read bandwidth
     disk_read_limit_bytes_per_s: float | None = None  # a cap on the disk's reads (cache.l3.read_limit_gbps)
     disk_shared: bool = True  # reads and writes take turns on one disk (False: an L3 capped per direction)
@@ -197,7 +198,9 @@ class TimedReplay:
             prefill += cost.prefill_seconds(req.computed * bt, min((req.computed + n) * bt, req.input_length))
         decode = len(self.decoding) * self.t.decode_seq_s
         if not plan and self.decoding:
-            decode += self.t.decode_step_s
+            decode += self.t.decode_step_s  # its fit already holds the engine thread's time of such a step
+        elif plan:
+            prefill += self.t.step_overhead_s
         return prefill, decode
 
     def _next_event(self) -> float | None:
@@ -245,7 +248,7 @@ class TimedReplay:
             event = recheck if event is None else min(event, recheck)
         if event is not None:  # step j (0-based) starts after j chunks: the last merged one must start before it
             bt, cost, start = self.setup.block_tokens, self.ctrl.cost, self.clock.now
-            per_step = len(self.decoding) * self.t.decode_seq_s
+            per_step = len(self.decoding) * self.t.decode_seq_s + self.t.step_overhead_s
             j = 1
             while j < k:
                 start += cost.prefill_seconds((req.computed + (j - 1) * chunk) * bt,
@@ -273,6 +276,7 @@ class TimedReplay:
                     plan, steps = self._stretch(plan)
                     sched.before_forward(plan)
                     prefill, decode = self._forward_seconds(plan)
+                    prefill += (steps - 1) * self.t.step_overhead_s
                     decode *= steps
                     sched.after_forward(plan)
             if plan:

@@ -177,6 +177,7 @@ def time_summary(result: Any, t: Any, assumed: Sequence[str] = ()) -> dict[str, 
         "gave_up_reads": result.gave_up_reads,
         "rejected_requests": result.rejected,
         "inputs": {"decode_step_ms": t.decode_step_s * 1e3, "decode_seq_ms": t.decode_seq_s * 1e3,
+                   "step_overhead_ms": t.step_overhead_s * 1e3,
                    "disk_write_gbps": None if t.disk_write_bytes_per_s is None else t.disk_write_bytes_per_s / 1e9,
                    "max_running": t.max_running, "chunk_tokens": t.chunk_tokens, "overlap": t.overlap,
                    "prefetch": t.prefetch, "assumed": list(assumed)},
@@ -201,7 +202,8 @@ def _time_lines(m: dict[str, Any]) -> list[str]:
     assumed = f" (assumed: {', '.join(inputs['assumed'])})" if inputs["assumed"] else ""
     write = f"{inputs['disk_write_gbps']:g} GB/s" if inputs["disk_write_gbps"] else "as reads"
     lines.append(f"time model: decode step {inputs['decode_step_ms']:g} ms + {inputs['decode_seq_ms']:g} ms a "
-                 f"sequence, disk writes {write}{assumed}; scheduler: {inputs['max_running']} running, chunks of "
+                 f"sequence, {inputs.get('step_overhead_ms', 0):g} ms of scheduling a prefill step, disk writes "
+                 f"{write}{assumed}; scheduler: {inputs['max_running']} running, chunks of "
                  f"{inputs['chunk_tokens']:,} tokens, overlap {'on' if inputs['overlap'] else 'off'}, prefetch "
                  f"{'on' if inputs['prefetch'] else 'off'}")
     return lines

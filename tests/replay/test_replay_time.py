@@ -47,6 +47,10 @@ def test_one_request_takes_its_prefill_then_its_decode_steps() -> None:
     assert res.duration_s == pytest.approx(prefill(1000) + 4 * 0.021)
     assert res.prefill_s == pytest.approx(prefill(1000))  # chunked in 3-block steps: the same sum
     assert rep.totals.recompute_s == pytest.approx(prefill(1000))
+    # 5 ms of scheduling a step with prefill: 4 of them (3 chunks of 3 blocks, then the last block)
+    slow = TimedReplay(setup(), TimeSetup(decode_step_s=0.020, chunk_tokens=300, step_overhead_s=0.005))
+    open_loop(slow, [record(0, list(range(10)), 1000, out=1)])
+    assert slow.run().ttft_s == [pytest.approx(prefill(1000) + 4 * 0.005)]
 
 
 def test_two_requests_that_arrive_together_take_the_gpu_in_turn() -> None:
@@ -149,7 +153,8 @@ def test_hicache_replay_reports_predicted_time_and_sweeps_bandwidth(tmp_path: Pa
 
 def test_the_decode_costs_come_from_a_servers_decode_only_steps(tmp_path: Path) -> None:
     """Steps of 1 and 3 sequences taking 12 and 16 ms: 10 ms a step and 2 ms a sequence, exported and read back by
-    --calibration; one batch size only gives its mean time and nothing per sequence."""
+    --calibration with the engine thread's own time a step; one batch size only gives its mean time and nothing per
+    sequence."""
     counters = {"decode_steps": 4, "decode_step_s": 0.012 * 2 + 0.016 * 2, "decode_step_seqs": 1 * 2 + 3 * 2,
                 "decode_step_seqs2": 1 * 2 + 9 * 2, "decode_step_seq_s": 0.012 * 2 + 3 * 0.016 * 2}
     base, per_seq = decode_step_fit(counters)
@@ -159,8 +164,9 @@ def test_the_decode_costs_come_from_a_servers_decode_only_steps(tmp_path: Path) 
             "decode_step_seq_s": 0.06}
     assert decode_step_fit(same) == (pytest.approx(0.015), 0.0)
     metrics = tmp_path / "server.metrics"
+    engine = {**counters, "steps": 10, "schedule_s": 0.5, "overlapped_s": 0.1}  # 40 ms of the thread's own a step
     metrics.write_bytes(ServerMetrics(1000).render({"cost_model": {"prefill_tokens_per_s": 20_000.0},
-                                                    "engine": counters}, None))
+                                                    "engine": engine}, None))
     rows = [json.dumps({"timestamp": 0, "input_length": 400, "output_length": 3, "hash_ids": [1, 2, 3, 4]})]
     trace, out = tmp_path / "t.jsonl", tmp_path / "r.json"
     trace.write_text("\n".join(rows) + "\n")
@@ -168,5 +174,7 @@ def test_the_decode_costs_come_from_a_servers_decode_only_steps(tmp_path: Path) 
                  "10", "--no-progress", "--json", str(out), "--calibration", str(metrics)]) == 0
     m = json.loads(out.read_text())["time"]
     assert m["inputs"]["decode_step_ms"] == pytest.approx(10) and m["inputs"]["decode_seq_ms"] == pytest.approx(2)
-    # 400 tokens at 20,000 tokens/s, then 2 decode steps of one sequence at 12 ms
-    assert m["duration_s"] == pytest.approx(400 / 20_000 + 2 * 0.012)
+    assert m["inputs"]["step_overhead_ms"] == pytest.approx(40)
+    # 400 tokens at 20,000 tokens/s in one step (a chunk holds 20 blocks) with its 40 ms of scheduling, then 2
+    # decode steps of one sequence at 12 ms
+    assert m["duration_s"] == pytest.approx(400 / 20_000 + 0.040 + 2 * 0.012)
