@@ -257,8 +257,6 @@ def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, wi
                 sessions: list[Any] | None = None, args: argparse.Namespace | None = None) -> dict[str, Any]:
     """Replay the trace with one setup; the summary dict with timing. `timing`: run on the clock (the time model),
     agent `sessions` closed-loop, other traces at their timestamps."""
-    from tqdm import tqdm
-
     start = time.perf_counter()
     if timing is not None:
         from hicache.replay.simulate import TimedReplay, closed_loop, open_loop
@@ -281,6 +279,8 @@ def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, wi
                     totals.disk_hit_ages_ms.extend(ages[p] for p in req.disk_positions)
         disk_stats = _disk_stats(timed)
     else:
+        from tqdm import tqdm
+
         rep = Replayer(setup)
         with tqdm(total=trace.blocks, unit="block", unit_scale=True, file=sys.stderr, disable=not progress,
                   desc="replay", leave=False) as bar:
