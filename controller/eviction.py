@@ -230,7 +230,8 @@ class Eviction:
         """Evict L3 leaves until n more pages fit under the disk capacity. `writing`: the node the room is for; its
         ancestors stay (an ancestor only on disk is an L3 leaf while the node is not written yet, and evicting it
         would take the node, its prefix gone, out of the tree). With shares, room for a share group over its own
-        comes only from its pages and those of groups over theirs (see `evict`)."""
+        comes only from its pages and those of groups over theirs (see `evict`). A node whose L3 read is in flight
+        stays."""
         if n > self.disk_capacity:
             return False
         groups, strict = self.tree.quota_victims(DISK, writing.group if writing is not None else None, n)
@@ -238,7 +239,10 @@ class Eviction:
         while writing is not None:
             path.add(writing.id)
             writing = writing.parent
-        skip = (lambda node: node.id in path) if path else None
+        # nor a node whose read is in flight: its bytes are being read, and its completion finds it in the tree (a
+        # prefetch whose request was admitted without it, or left, no longer pins it)
+        reading = self.transfers.disk_load
+        skip = lambda node: node.id in path or reading(node) is not None  # noqa: E731
         while (over := self.tree.pages_in[2] + self.disk_inflight + n - self.disk_capacity) > 0:
             node = self.tree.pop_evictable(DISK, skip, groups)
             if node is None and groups is not None and not strict:

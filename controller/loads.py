@@ -9,7 +9,9 @@ them in a PrefetchHold until the request is admitted. `apply` lands a finished r
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -121,32 +123,36 @@ class Loads:
         ticket = LoadTicket(self.transfers, nodes[-1] if nodes else base, m.num_pages,
                             gap=(k, s) if k < s else None)
         self.tree.lock(ticket.node)
-        pos = 0
+        # each node's pages and keys as they are now: the room a load makes in host memory may evict the host copy
+        # of one of these nodes that is on the GPU (radix.tree), splitting it there; the object kept is the lower
+        # part, so positions counted from the nodes' sizes later would slip, and tail nodes would pass for gap nodes
+        sizes = [node.num_pages for node in nodes]
+        keys = [node.keys for node in nodes]
+        starts = list(itertools.accumulate(sizes, initial=0))
         copies: list[TreeNode] = []
         others_reading = self.request_reads > 0  # a ticket alone with its reads always reads
         spare = self._allocate_loads(nodes, k, s)
         for i, node in enumerate(nodes):
+            pos = starts[i]
             if not k <= pos < s and not node.on_device and not self._load_node(node, copies, spare,
                                                                                 others_reading):
                 if pos <= s:  # no room in the prefix, or for any of the tail: no gap either
                     ticket.gap = None
-                    i = min(i, len(ticket.part(0, k)))
+                    i = min(i, bisect.bisect_left(starts, k, hi=len(nodes)))  # the nodes before the gap
                 self._truncate(ticket, nodes[i - 1] if i else base)
                 nodes = nodes[:i]
                 break
-            pos += node.num_pages
         if spare:
             self.device.free(spare)  # a load stopped early (no host room for a disk read): its pages go back
         self._start_copies(copies)
-        pos = 0
         disk_keys: list[bytes] = []
-        for node, tier in zip(nodes, tiers):
+        for i, tier in enumerate(tiers[: len(nodes)]):
+            pos, end = starts[i], starts[i + 1]
             if not k <= pos < s or ticket.gap is None:  # the gap's pages are computed, not hits
-                ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + node.num_pages
-                ticket.hit_runs.append((pos, pos + node.num_pages, tier))
+                ticket.hit_pages[tier] = ticket.hit_pages.get(tier, 0) + end - pos
+                ticket.hit_runs.append((pos, end, tier))
                 if tier == DISK:
-                    disk_keys += node.keys  # a page's disk key (a prefetched copy's disk entry may be gone since)
-            pos += node.num_pages
+                    disk_keys += keys[i]  # a page's disk key (a prefetched copy's disk entry may be gone since)
         if disk_keys and self.shared_pages is not None and (shared := self.shared_pages(disk_keys)):
             ticket.hit_pages[REMOTE] = shared  # disk pages this server's local store lacks: the remote tier's
             ticket.hit_pages[DISK] -= shared
@@ -395,13 +401,13 @@ class Loads:
         failed verification, its nodes are marked failed and removed once nobody holds them."""
         node: TreeNode = c.token
         self.transfers.loading.pop(node.id, None)
+        if node.removed:  # it left the tree while the read was in flight: its host pages are done with now
+            load = self.transfers.orphan_reads.pop(node.id)
+            self._count_read_done(load)
+            self.host.free(load.host_pages)
+            return
         load = self.transfers.reading(node)
-        self.reading -= len(load.host_pages)
-        if load.for_request:
-            self.request_reads -= len(load.host_pages)
-        if load.held:
-            load.held = False
-            self.held_reading -= len(load.host_pages)
+        self._count_read_done(load)
         parts = self._pieces(node, lambda p: self.transfers.get(p) is load)  # the node may have been split
         n = len(c.results)
         if all(c.results):
@@ -425,6 +431,15 @@ class Loads:
             for part in parts:
                 self.transfers.set(part, FAILED)
                 self.transfers.mark_invalid(part)
+
+    def _count_read_done(self, load: DiskLoad) -> None:
+        """A read is no longer in flight: out of the staging counts."""
+        self.reading -= len(load.host_pages)
+        if load.for_request:
+            self.request_reads -= len(load.host_pages)
+        if load.held:
+            load.held = False
+            self.held_reading -= len(load.host_pages)
 
     @staticmethod
     def _pieces(node: TreeNode, belongs: Callable[[TreeNode], bool]) -> list[TreeNode]:
@@ -459,4 +474,6 @@ class Loads:
 
     def loading_host_pages(self) -> Sequence[int]:
         """Host pages that reads in flight are filling (owned by nobody in the tree yet)."""
-        return [p for node in self.transfers.loading.values() for p in self.transfers.reading(node).host_pages]
+        t = self.transfers
+        return [p for node in t.loading.values()
+                for p in (t.orphan_reads[node.id] if node.removed else t.reading(node)).host_pages]

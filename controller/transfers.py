@@ -89,6 +89,9 @@ class Transfers:
         # overwritten when the page is filled again; at most one per host page.
         self.host_fills: dict[int, TransferHandle] = {}
         self.invalid: dict[int, TreeNode] = {}  # nodes whose data is bad, removed once unlocked and unpinned
+        # node id -> the read of a node the tree removed while it was in flight (an ancestor's last copy left): the
+        # read still writes into its host pages, which go back when it completes (Loads.apply)
+        self.orphan_reads: dict[int, DiskLoad] = {}
         tree.split_listeners.append(self._split)
 
     def get(self, node: TreeNode) -> Any:
@@ -150,8 +153,10 @@ class Transfers:
         self.invalid[node.id] = node
 
     def forget(self, node: TreeNode) -> None:
-        """Drop a removed node's entries."""
-        self._of.pop(node, None)
+        """Drop a removed node's entries (a read in flight is kept aside until it completes: `orphan_reads`)."""
+        transfer = self._of.pop(node, None)
+        if node.id in self.loading and isinstance(transfer, DiskLoad):
+            self.orphan_reads[node.id] = transfer
         self.invalid.pop(node.id, None)
 
     def in_flight(self) -> int:

@@ -55,7 +55,7 @@ class EvictionOrder:
     def _rebuild(self, ti: int) -> None:
         priority = self.priorities[ti]
         heaps: dict[int, list[tuple[Any, int, Node]]] = {}
-        for node in self.leaves[ti]:
+        for node in sorted(self.leaves[ti], key=lambda n: n.id):  # ties in creation order, not by address
             heaps.setdefault(node.group, []).append((priority(node), next(self._seq), node))
         for heap in heaps.values():
             heapq.heapify(heap)

@@ -410,8 +410,8 @@ class RadixTree:
             while node is not self.root and node.loc[_HOST] is not None and node.id not in seen:
                 seen.add(node.id)
                 if self._interior_may_leave(node) and (skip is None or not skip(node)):
-                    prio = priority(node)
-                    if best is None or prio < best_prio:
+                    prio = priority(node)  # ties go to the oldest node, whatever order the set holds them in
+                    if best is None or prio < best_prio or (prio == best_prio and node.id < best.id):
                         best, best_prio = node, prio
                 node = node.parent
         return best
