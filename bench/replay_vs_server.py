@@ -9,7 +9,8 @@ sizes and page bytes its log states, the costs its /metrics exported (`--calibra
 token pair, host and disk bandwidths, the decode-step fit), the `--set`s and load flags it was started with
 (NAME.flags.txt: L3 caps, policies), and the scheduler settings of CONFIG (the server's config file). Arms with a
 remote tier are skipped: the replay does not model it. It prints predicted against measured and the ratio; a
-prediction within 15% of the measurement is what bench/RESULTS.md, 'Replay predicts time', asks of it.
+prediction within 15% of the measurement is what bench/RESULTS.md, 'Replay predicts time', asks of it. An arm
+whose client saw failed requests is marked: it measured a different workload.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def server_setup(log: Path) -> dict[str, int]:
 
 def serve_flags(path: Path) -> list[str]:
     """The replay flags that say what the arm's `hicache serve` flags (NAME.flags.txt) said: its `--set`s (L3 caps
-    and policies among them), `--load-mode`, `--no-load-overlap`. Tier sizes come from its log instead."""
+    and policies among them), `--load-mode`, `--no-load-overlap`, `--model`. Tier sizes come from its log
+    instead."""
     if not path.exists():
         return []
     words, out = shlex.split(path.read_text()), []
@@ -49,6 +51,8 @@ def serve_flags(path: Path) -> list[str]:
             out += [word, words[i + 1]]
         elif word == "--no-load-overlap":
             out += ["--set", "cache.load_policy.overlap=false"]
+        elif word == "--model" and i + 1 < len(words):  # its context limit (the KV bytes come from the log)
+            out += ["--set", f"model.name={words[i + 1]}"]
     return out
 
 
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         t = replay["time"]
         rows.append({"arm": arm, "setup": setup,
                      "measured": {"duration_s": measured["duration_s"],
-                                  "ttft_mean_s": measured["ttft_ms"]["mean"] / 1e3},
+                                  "ttft_mean_s": measured["ttft_ms"]["mean"] / 1e3,
+                                  "errors": measured.get("errors", 0)},
                      "predicted": {"duration_s": t["duration_s"], "ttft_mean_s": t["ttft_s"]["mean"]},
                      "hit_rate": {"measured": measured.get("cache_hit_rate_per_tier"),
                                   "predicted": replay["token_hit_rate"]},
@@ -110,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         shown = " ".join(f"{k} {100 * (hits['measured'] or {}).get(k, 0):.0f}/{100 * hits['predicted'][k]:.0f}%"
                          for k in ("device", "host", "disk"))
         ratios = q["duration_s"] / m["duration_s"], q["ttft_mean_s"] / m["ttft_mean_s"]
+        failed = f"  NOT COMPARABLE: {m['errors']} requests failed on the server" if m["errors"] else ""
         print(f"{r['arm']:<16}{m['duration_s']:>10.2f} / {q['duration_s']:>9.2f}{ratios[0]:>8.3f}"
-              f"{m['ttft_mean_s']:>11.3f} / {q['ttft_mean_s']:>10.3f}{ratios[1]:>8.3f}  {shown}")
+              f"{m['ttft_mean_s']:>11.3f} / {q['ttft_mean_s']:>10.3f}{ratios[1]:>8.3f}  {shown}{failed}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -222,6 +222,12 @@ def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibratio
              or None)
     sc, lp = cfg.scheduler, cfg.cache.load_policy
     page = cfg.cache.page_size
+    try:  # the server's context limit besides its GPU tier: the model's positions and the configured cap
+        limits = [model_shape(cfg.model.name).max_context]
+    except ValueError:
+        limits = []
+    if sc.max_context_tokens:
+        limits.append(sc.max_context_tokens)
     return TimeSetup(
         decode_step_s=step_ms * 1e-3, decode_seq_s=(seq_ms or 0.0) * 1e-3, step_overhead_s=(overhead_ms or 0.0) * 1e-3,
         disk_write_bytes_per_s=None if write is None else write * 1e9,
@@ -232,6 +238,7 @@ def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibratio
         admit_during_forward=sc.admit_during_forward, overlap=lp.overlap, prefetch=lp.prefetch,
         prefetch_host_share=lp.prefetch_host_share,
         l3_queue_pages=max(1, cfg.cache.l3.queue_pages * page // block_tokens),
+        max_context_tokens=min(limits) if limits else None,
     ), tuple(assumed)
 
 

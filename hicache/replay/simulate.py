@@ -62,6 +62,7 @@ class TimeSetup:
     prefetch: bool = True
     prefetch_host_share: float = 0.5
     l3_queue_pages: int = 4096
+    max_context_tokens: int | None = None  # the server's context limit besides the GPU tier (model, config)
 
 
 @dataclass(eq=False)
@@ -109,7 +110,8 @@ class TimedResult:
     disk_busy_s: dict[str, float]
     preemptions: int
     gave_up_reads: int
-    rejected: int  # requests refused: their prompt is as long as what the GPU tier holds
+    rejected: int  # requests refused: their prompt is as long as the context limit
+    skipped: int  # agent turns not sent: prompt and answer over the context limit (as `bench agent` skips them)
 
 
 class TimedReplay:
@@ -149,7 +151,8 @@ class TimedReplay:
         self._seq = 0
         self.decoding: list[SimRequest] = []
         self.done: list[SimRequest] = []
-        self.rejected: list[SimRequest] = []  # longer than the GPU tier holds
+        self.rejected: list[SimRequest] = []  # as long as the context limit: the server refuses them
+        self.skipped: list[SimRequest] = []  # prompt and answer over the context limit: the bench client skips them
         self.busy = {"prefill": 0.0, "decode": 0.0}
         self._tails = 0  # requests' own last blocks (unique tokens)
 
@@ -169,11 +172,17 @@ class TimedReplay:
         return SimRequest(str(self._seq), len(blocks), blocks, _PARAMS, max(0, decode_blocks),
                           input_length=input_length, output_length=out, record=record, on_finish=on_finish)
 
-    def arrive(self, at: float, req: SimRequest) -> None:
-        """Queue req at time `at`. A prompt as long as what the GPU tier holds is refused, as the server refuses it
-        (its context limit): counted in `rejected`, and its session goes on."""
-        req.arrival = at
+    @property
+    def context_limit(self) -> int:
+        """The server's context limit: what the GPU tier holds, the model's positions, the configured cap."""
         limit = self.setup.device_blocks * self.setup.block_tokens
+        return min(limit, self.t.max_context_tokens) if self.t.max_context_tokens else limit
+
+    def arrive(self, at: float, req: SimRequest) -> None:
+        """Queue req at time `at`. A prompt as long as the context limit is refused, as the server refuses it:
+        counted in `rejected`, and its session goes on."""
+        req.arrival = at
+        limit = self.context_limit
         if req.input_length >= limit:
             self.rejected.append(req)
             if req.on_finish is not None:
@@ -318,7 +327,7 @@ class TimedReplay:
         return TimedResult(end - start, ttft, self.done, self.busy["prefill"] + self.busy["decode"],
                            self.busy["prefill"], self.busy["decode"], clock.blocked_s,
                            dict(self.worker.busy_s) if self.worker is not None else {"read": 0.0, "write": 0.0},
-                           sched.preemptions, self.ctrl.stats.gave_up_reads, len(self.rejected))
+                           sched.preemptions, self.ctrl.stats.gave_up_reads, len(self.rejected), len(self.skipped))
 
     def _prefilled(self, req: SimRequest) -> None:
         """req's prompt is computed: its first token now (the first time), then its output."""
@@ -409,8 +418,13 @@ def closed_loop(replay: TimedReplay, sessions: Sequence[tuple[str, AgentSession]
                     walk(scope, sub, t, False, sub_done)
                 return
             wait = 0.0 if first else min(step.think_s * think_scale, max_think)
-            req = replay.request([block(scope, h) for h in step.hash_ids], step.input_length,
-                                 min(max(step.output_length, 1), output_length), on_finish=next_step)
+            out = min(max(step.output_length, 1), output_length)
+            req = replay.request([block(scope, h) for h in step.hash_ids], step.input_length, out,
+                                 on_finish=next_step)
+            if step.input_length + out > replay.context_limit:  # the bench client does not send it
+                replay.skipped.append(req)
+                next_step(t + wait)
+                return
             replay.arrive(t + wait, req)
 
         next_step(at, first)

@@ -176,6 +176,7 @@ def time_summary(result: Any, t: Any, assumed: Sequence[str] = ()) -> dict[str, 
         "preemptions": result.preemptions,
         "gave_up_reads": result.gave_up_reads,
         "rejected_requests": result.rejected,
+        "skipped_requests": result.skipped,
         "inputs": {"decode_step_ms": t.decode_step_s * 1e3, "decode_seq_ms": t.decode_seq_s * 1e3,
                    "step_overhead_ms": t.step_overhead_s * 1e3,
                    "disk_write_gbps": None if t.disk_write_bytes_per_s is None else t.disk_write_bytes_per_s / 1e9,
@@ -186,8 +187,11 @@ def time_summary(result: Any, t: Any, assumed: Sequence[str] = ()) -> dict[str, 
 
 def _time_lines(m: dict[str, Any]) -> list[str]:
     q = m["ttft_s"]
-    rejected = (f"; {m['rejected_requests']:,} requests refused, their prompts as long as the GPU tier holds (the "
-                "server's context limit)") if m["rejected_requests"] else ""
+    rejected = (f"; {m['rejected_requests']:,} requests refused, their prompts as long as the server's context "
+                "limit") if m["rejected_requests"] else ""
+    if m.get("skipped_requests"):
+        rejected += (f"; {m['skipped_requests']:,} agent turns not sent, prompt and answer over the context limit "
+                     "(as bench agent skips them)")
     if not m["requests"]:
         return ["predicted: no request finished" + rejected]
     inputs = m["inputs"]

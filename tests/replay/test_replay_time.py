@@ -178,3 +178,26 @@ def test_the_decode_costs_come_from_a_servers_decode_only_steps(tmp_path: Path) 
     # 400 tokens at 20,000 tokens/s in one step (a chunk holds 20 blocks) with its 40 ms of scheduling, then 2
     # decode steps of one sequence at 12 ms
     assert m["duration_s"] == pytest.approx(400 / 20_000 + 0.040 + 2 * 0.012)
+
+
+def test_the_context_limit_refuses_prompts_and_the_closed_loop_skips_turns_over_it() -> None:
+    """A context limit of 1,500 tokens (the model's positions, say): an open-loop prompt of 1,500 is refused as the
+    server refuses it; a session's turn whose prompt and answer exceed it is not sent, as `bench agent` skips it,
+    and the session goes on with its next turn at once."""
+    from hicache.replay.agent import AgentSession, AgentTurn
+    from hicache.replay.simulate import closed_loop
+
+    t = TimeSetup(decode_step_s=0.0, chunk_tokens=10_000, max_context_tokens=1500)
+    rep = TimedReplay(setup(), t)
+    open_loop(rep, [record(0, list(range(15)), 1500), record(0, list(range(20, 30)), 1000)])
+    res = rep.run()
+    assert res.rejected == 1 and len(res.requests) == 1 and res.ttft_s == [pytest.approx(prefill(1000))]
+    turns = [AgentTurn(i, n, 4, list(range(n // BT)), 0.0, None, None) for i, n in enumerate((1000, 1498, 1200))]
+    session = AgentSession(None, list(turns))
+    rep = TimedReplay(setup(), t)
+    closed_loop(rep, [("s", session)], output_length=4)
+    res = rep.run()
+    assert res.skipped == 1 and [r.input_length for r in res.requests] == [1000, 1200]
+    # the third turn follows the first at once: 1,000 tokens and 3 decode steps (free here), then 1,200 tokens of
+    # which the first 1,000 are the first turn's blocks, on the GPU
+    assert res.duration_s == pytest.approx(prefill(1000) + prefill(1200) - prefill(1000))
