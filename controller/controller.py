@@ -182,7 +182,13 @@ class TierController:
             return hold  # nothing gave host memory back since it stopped: asking again (a match of a long prompt,
             # an allocation that fails) costs the engine thread milliseconds a step for the same answer
         m = self.match(tokens, namespace)
-        self.writes.hit([node for node, _ in m.segments])  # its prefix is about to be used again: back it up
+        # its prefix is about to be used again: back it up. Locked meanwhile: the room those copies make must come
+        # from other pages, or an ancestor's last copy could go and take matched nodes out of the tree
+        self.tree.lock(m.last_node)
+        try:
+            self.writes.hit([node for node, _ in m.segments])
+        finally:
+            self.tree.unlock(m.last_node)
         hold = self.loads.prefetch(m, max_pages, hold)
         hold.room_version = self.host_room_version
         return hold

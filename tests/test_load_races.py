@@ -1,10 +1,12 @@
-"""Two races of a ticket's loads that the replay's time model found (hicache/replay/simulate.py, with eviction ties
-broken at random), on metadata pools:
+"""Races of a ticket's loads and a prefetch that the replay's time model found (hicache/replay/simulate.py, with
+eviction ties broken at random), on metadata pools:
 
 - a node of a ticket's path split while its loads are set up (the room a disk read makes in host memory may evict
   part of a host copy that is on the GPU): the tail after a gap must still be loaded, not taken for gap pages;
 - a node whose disk read is in flight leaves the tree (its prefetch released, an ancestor's last copy evicted):
-  the read's completion gives its host pages back instead of failing the engine step.
+  the read's completion gives its host pages back instead of failing the engine step;
+- a prefetch backs its prefix up to host memory before it reads: that room comes from other pages than the
+  prefix's own.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from hicache.replay.core import Replayer, ReplaySetup
 BB = 1000  # bytes a block
 
 
-def controller(device: int = 64, host: int = 64, disk: int = 256):
-    """Blocks of one token; the host <-> GPU and disk costs of `slow_disk` below; every page written down."""
-    policy = WritePolicy("write_through", "write_through", defer_above_free=1.0, l3_admit="all", l3_host_share=1.0)
+def controller(device: int = 64, host: int = 64, disk: int = 256, host_to_disk: str = "write_through"):
+    """Blocks of one token, on metadata pools; every page written down (to disk as `host_to_disk` says)."""
+    policy = WritePolicy("write_through", host_to_disk, defer_above_free=1.0, l3_admit="all", l3_host_share=1.0)
     rep = Replayer(ReplaySetup(1, device, host, disk, block_bytes=BB, write_policy=policy, load_mode="always"))
     return rep.controller
 
@@ -96,3 +98,31 @@ def test_a_read_whose_node_left_the_tree_gives_its_host_pages_back() -> None:
     assert ctrl.loads.reading == 0
     ctrl.check_integrity()
     assert not ctrl.match(tokens).segments  # the prefix is gone from every tier
+
+
+def test_a_prefetch_backing_up_its_prefix_keeps_the_prefix_in_the_tree() -> None:
+    """A queued request's prefix: [1, 2] in host memory only, [3, 4] on the GPU only, [5, 6] on disk only; the host
+    tier (4 pages) also holds another request's [100, 101]. Its prefetch first backs [3, 4] up to host memory (a
+    hit). The room for that copy must not come from the prefix's own [1, 2]: here that copy would be written back
+    to disk on its way out, but where no write can take it (a full L3 queue, a dropped write), [1, 2] and
+    everything below it leave the tree while the prefetch goes on to read [5, 6] from disk (a fuzzed replay of an
+    agent workload failed so)."""
+    ctrl = controller(device=8, host=4, disk=64, host_to_disk="write_back")  # a hit writes nothing to disk
+    tree = ctrl.tree
+    top, _ = tree.insert([1, 2], ctrl.host.allocate(2), "host")
+    middle, _ = tree.insert([3, 4], ctrl.device.allocate(2), "device", start=top)
+    bottom, _ = tree.insert([5, 6], ctrl.device.allocate(2), "device", start=middle)
+    other, _ = tree.insert([100, 101], ctrl.host.allocate(2), "host")
+    tree.lock(other)  # another request's: the prefix's own [1, 2] is the only host copy that could go
+    assert ctrl.l3.write_pages(bottom.keys, [None, None]) == [True, True]
+    tree.set_location(bottom, "disk", bottom.keys)
+    pages, _ = tree.clear_location(bottom, "device")
+    ctrl.device.free(pages)  # [5, 6] on disk only
+    ctrl.check_integrity()
+    hold = ctrl.prefetch([1, 2, 3, 4, 5, 6])
+    assert not any(n.removed for n in (top, middle, bottom))
+    assert top.on_host and not middle.on_host  # no room for the backup: it was refused, not made of the prefix
+    assert hold.started == 0 and ctrl.stats.drops["host_full"] == 2
+    tree.unlock(other)
+    ctrl.release_prefetch(hold)
+    ctrl.check_integrity()
