@@ -259,12 +259,40 @@ def _disk_stats(rep: Any) -> dict[str, int] | None:
             else rep.ctrl.stats.drops["not_reused"]}
 
 
+class _NoBar:
+    """A progress bar that shows nothing (asked for none, or tqdm is not installed)."""
+
+    def __init__(self, **_: Any) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        return None
+
+
+def _progress_bar(shown: bool) -> Any:
+    """tqdm on stderr, or _NoBar where none is shown or tqdm is missing (a GPU box carries what serving needs)."""
+    if not shown:
+        return _NoBar
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar
+    return lambda **kw: tqdm(file=sys.stderr, leave=False, **kw)
+
+
 def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, window_ms: float,
                 progress: bool, timing: tuple[TimeSetup, tuple[str, ...]] | None = None,
                 sessions: list[Any] | None = None, args: argparse.Namespace | None = None) -> dict[str, Any]:
     """Replay the trace with one setup; the summary dict with timing. `timing`: run on the clock (the time model),
     agent `sessions` closed-loop, other traces at their timestamps."""
     start = time.perf_counter()
+    bar = _progress_bar(progress)
     if timing is not None:
         from hicache.replay.simulate import TimedReplay, closed_loop, open_loop
 
@@ -274,7 +302,9 @@ def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, wi
             closed_loop(timed, sessions, args.output_length, args.think_scale, args.max_think, args.concurrency)
         else:
             open_loop(timed, trace.records)
-        result = timed.run()
+        with bar(total=len(trace.records), unit="req", desc="replay (timed)") as b:
+            timed.progress = b.update
+            result = timed.run()
         totals = timed.totals
         if timed.worker is not None:
             totals.disk_reads = list(timed.worker.reads)
@@ -286,12 +316,9 @@ def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, wi
                     totals.disk_hit_ages_ms.extend(ages[p] for p in req.disk_positions)
         disk_stats = _disk_stats(timed)
     else:
-        from tqdm import tqdm
-
         rep = Replayer(setup)
-        with tqdm(total=trace.blocks, unit="block", unit_scale=True, file=sys.stderr, disable=not progress,
-                  desc="replay", leave=False) as bar:
-            totals = rep.run(trace.records, reuse, server_log=trace.format == TRACE_LOG, progress=bar.update)
+        with bar(total=trace.blocks, unit="block", unit_scale=True, desc="replay") as b:
+            totals = rep.run(trace.records, reuse, server_log=trace.format == TRACE_LOG, progress=b.update)
         disk_stats = _disk_stats(rep)
     elapsed = time.perf_counter() - start
     summary = summarize(totals, setup, cost_inputs(setup), reuse, disk_stats, window_ms)

@@ -154,6 +154,7 @@ class TimedReplay:
         self.rejected: list[SimRequest] = []  # as long as the context limit: the server refuses them
         self.skipped: list[SimRequest] = []  # prompt and answer over the context limit: the bench client skips them
         self.busy = {"prefill": 0.0, "decode": 0.0}
+        self.progress: Callable[[int], None] | None = None  # called with 1 as each request ends (a progress bar)
         self._tails = 0  # requests' own last blocks (unique tokens)
 
     # ------------------------------------------------------------------ requests in
@@ -349,6 +350,8 @@ class TimedReplay:
         self.sched.remove(req)
         req.finished_at = self.clock.now
         self.done.append(req)
+        if self.progress is not None:
+            self.progress(1)
         if req.on_finish is not None:
             req.on_finish(self.clock.now)
 
