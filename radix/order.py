@@ -89,9 +89,8 @@ class EvictionOrder:
         if groups is not None:
             return self._pick(ti, groups, held, skip)
         if not self.quotas[ti] and len(self.heaps[ti]) == 1:  # one group, no quotas: its heap alone
-            for group in self.heaps[ti]:
-                entry = self._top(ti, group, held, skip)
-                return None if entry is None else entry[1]
+            entry = self._top(ti, next(iter(self.heaps[ti])), held, skip)
+            return None if entry is None else entry[1]
         over = self.over_quota(ti) if self.quotas[ti] else ()
         if over:
             found = self._pick(ti, over, held, skip)

@@ -249,14 +249,13 @@ def cost_inputs(setup: ReplaySetup) -> CostInputs:
                       setup.disk_to_device_bytes_per_s or DEFAULT_DISK_TO_DEVICE_GBPS * 1e9, setup.assumed_costs)
 
 
-def _disk_stats(rep: Any) -> dict[str, int] | None:
-    s = rep.store
+def _disk_stats(s: Any, controller: Any) -> dict[str, int] | None:
+    """The replay L3 store's traffic, and the writes the controller skipped (None without a disk tier)."""
     if s is None:
         return None
     return {"pages_written": s.pages_written, "pages_read": s.pages_read, "deleted_unread": s.deleted_unread,
             "unread_at_end": s.unread_pages(), "not_admitted": s.not_admitted,
-            "not_reused": rep.controller.stats.drops["not_reused"] if hasattr(rep, "controller")
-            else rep.ctrl.stats.drops["not_reused"]}
+            "not_reused": controller.stats.drops["not_reused"]}
 
 
 class _NoBar:
@@ -314,12 +313,12 @@ def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, wi
                     depths, ages = reuse.depths[req.record], reuse.ages_ms[req.record]
                     totals.disk_hit_depths.extend(depths[p] for p in req.disk_positions)
                     totals.disk_hit_ages_ms.extend(ages[p] for p in req.disk_positions)
-        disk_stats = _disk_stats(timed)
+        disk_stats = _disk_stats(timed.store, timed.ctrl)
     else:
         rep = Replayer(setup)
         with bar(total=trace.blocks, unit="block", unit_scale=True, desc="replay") as b:
             totals = rep.run(trace.records, reuse, server_log=trace.format == TRACE_LOG, progress=b.update)
-        disk_stats = _disk_stats(rep)
+        disk_stats = _disk_stats(rep.store, rep.controller)
     elapsed = time.perf_counter() - start
     summary = summarize(totals, setup, cost_inputs(setup), reuse, disk_stats, window_ms)
     if timing is not None:

@@ -103,8 +103,7 @@ class TimedResult:
     duration_s: float
     ttft_s: list[float]
     requests: list[SimRequest]
-    gpu_busy_s: float
-    prefill_s: float
+    prefill_s: float  # with the engine thread's scheduling time of those steps
     decode_s: float
     engine_blocked_s: float
     disk_busy_s: dict[str, float]
@@ -112,6 +111,10 @@ class TimedResult:
     gave_up_reads: int
     rejected: int  # requests refused: their prompt is as long as the context limit
     skipped: int  # agent turns not sent: prompt and answer over the context limit (as `bench agent` skips them)
+
+    @property
+    def gpu_busy_s(self) -> float:
+        return self.prefill_s + self.decode_s
 
 
 class TimedReplay:
@@ -199,19 +202,20 @@ class TimedReplay:
 
     # ------------------------------------------------------------------ the loop
 
-    def _forward_seconds(self, plan: Sequence[tuple[Request, int]]) -> tuple[float, float]:
-        """(prefill seconds, decode seconds) of a step running `plan` beside the decoding requests."""
+    def _forward_seconds(self, plan: Sequence[tuple[Request, int]], steps: int = 1) -> tuple[float, float]:
+        """(prefill seconds, decode seconds) of `steps` steps running `plan` (its tokens over all of them) beside
+        the decoding requests."""
         bt, cost = self.setup.block_tokens, self.ctrl.cost
         prefill = 0.0
         for req, n in plan:
             assert isinstance(req, SimRequest)
             prefill += cost.prefill_seconds(req.computed * bt, min((req.computed + n) * bt, req.input_length))
         decode = len(self.decoding) * self.t.decode_seq_s
-        if not plan and self.decoding:
+        if plan:
+            prefill += self.t.step_overhead_s * steps
+        elif self.decoding:
             decode += self.t.decode_step_s  # its fit already holds the engine thread's time of such a step
-        elif plan:
-            prefill += self.t.step_overhead_s
-        return prefill, decode
+        return prefill, decode * steps
 
     def _next_event(self) -> float | None:
         """The earliest moment something changes without a step: an arrival, a copy or disk job ending, a loading
@@ -280,22 +284,16 @@ class TimedReplay:
         clock, sched = self.clock, self.sched
         while True:
             self._admit_arrivals()
-            steps = 1
             with sched.step() as plan:
                 if plan:
                     plan, steps = self._stretch(plan)
                     sched.before_forward(plan)
-                    prefill, decode = self._forward_seconds(plan)
-                    prefill += (steps - 1) * self.t.step_overhead_s
-                    decode *= steps
+                    prefill, decode = self._forward_seconds(plan, steps)
                     sched.after_forward(plan)
-            if plan:
-                pass
-            elif self.decoding:
-                prefill, decode = self._forward_seconds(plan)
-                steps = self._decode_steps(decode)
-                decode *= steps
-            else:
+            if not plan and self.decoding:
+                steps = self._decode_steps(self._forward_seconds(plan)[1])
+                prefill, decode = self._forward_seconds(plan, steps)
+            elif not plan:
                 event = self._next_event()
                 if event is None:
                     if sched.has_work():
@@ -325,8 +323,7 @@ class TimedReplay:
         ttft = [r.first_token_at - r.arrival for r in self.done if r.first_token_at is not None]
         start = min((r.arrival for r in self.done), default=0.0)
         end = max((r.finished_at or 0.0 for r in self.done), default=start)
-        return TimedResult(end - start, ttft, self.done, self.busy["prefill"] + self.busy["decode"],
-                           self.busy["prefill"], self.busy["decode"], clock.blocked_s,
+        return TimedResult(end - start, ttft, self.done, self.busy["prefill"], self.busy["decode"], clock.blocked_s,
                            dict(self.worker.busy_s) if self.worker is not None else {"read": 0.0, "write": 0.0},
                            sched.preemptions, self.ctrl.stats.gave_up_reads, len(self.rejected), len(self.skipped))
 
