@@ -66,6 +66,7 @@ class TierController:
         prefetch: bool = True,
         launch_later: bool = False,
         prefetch_host_share: float = 0.5,
+        prefetch_queue_s: float = 0.0,
     ):
         if l3 is not None and host is None:
             raise ValueError("the disk tier needs a host tier: pages reach L3 through host memory")
@@ -94,7 +95,7 @@ class TierController:
         self.loads = Loads(tree, device, self.host, self.copier, self.worker, self.eviction, self.transfers,
                            self.stats, cost or CostModel(tree.page_size, device.page_bytes),
                            prefetch and l3 is not None, shared_pages=getattr(self.l3, "shared_pages", None),
-                           staging_share=prefetch_host_share)
+                           staging_share=prefetch_host_share, prefetch_queue_s=prefetch_queue_s)
         self.commits = Commits(tree, device, self.eviction, self.writes)
         # counts the events that can give host memory back to a prefetch (a ticket or hold released, I/O applied):
         # a hold that stopped short is not asked again until one has happened (see `prefetch`)
@@ -164,6 +165,7 @@ class TierController:
         m = self.match(tokens, namespace)
         if replaces is None:
             self.stats.prompt_tokens += len(tokens)
+            self.writes.reuse.requested(m.num_pages > 0)
         else:
             for tier, pages in replaces.hit_pages.items():
                 self.stats.hit_tokens[tier] -= pages * self.page_size

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -47,7 +48,8 @@ class Loads:
 
     def __init__(self, tree: RadixTree, device: Pool, host: HostTier, copier: Copier, worker: Worker,
                  eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool,
-                 shared_pages: Callable[[Sequence[bytes]], int] | None = None, staging_share: float = 0.5):
+                 shared_pages: Callable[[Sequence[bytes]], int] | None = None, staging_share: float = 0.5,
+                 prefetch_queue_s: float = 0.0):
         self.tree = tree
         self.shared_pages = shared_pages  # how many of these disk keys only the remote tier holds (REMOTE hits)
         self.device = device
@@ -73,6 +75,7 @@ class Loads:
         # pages always find room: a prefetch starts only while reads in flight and prefetched pages held stay
         # within it, and a request's reads only while other requests' reads do (a lone request always reads)
         self.staging_pages = int(staging_share * host.capacity_pages)
+        self.prefetch_queue_s = prefetch_queue_s  # seconds of reads prefetch may keep queued (0: no bound)
         self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
         self._read_busy_until = 0.0  # end of the last read interval seen (see _observe_disk_read)
         self._read_window: tuple[float, float, float | None] = (0.0, 0.0, None)  # decayed bytes, busy s, last end
@@ -322,6 +325,10 @@ class Loads:
         if max_pages is not None:
             limit = min(limit, max_pages)
         budget = self.staging_pages - self.staged_pages
+        queue_room = self._prefetch_queue_room()
+        queue_bound = queue_room is not None and queue_room < budget  # the disk queue, not host room, stops it
+        if queue_room is not None and queue_bound:
+            budget = queue_room
         candidates: list[tuple[TreeNode, str]] = []
         pos = 0
         for node, tier in m.segments:
@@ -358,9 +365,10 @@ class Loads:
                         n = chunk.num_pages
                         hold.short = True  # the rest of it waits for room
                     elif n > room:
-                        # short (worth asking again) unless it could not fit even with every other hold released
+                        # short (worth asking again: once reads land, or holds are released) unless it could not fit
+                        # even with every other hold released
                         own = sum(k for _, k in hold.pins)
-                        hold.short = n <= self.staging_pages - own
+                        hold.short = queue_bound or n <= self.staging_pages - own
                         break
                     host_pages = self.eviction.allocate(HOST, n, group=chunk.group)
                     if host_pages is None:
@@ -382,6 +390,20 @@ class Loads:
         hold.started += started
         self.stats.prefetched_pages += started
         return hold
+
+    def _prefetch_queue_room(self) -> int | None:
+        """Pages a prefetch may add to the disk's read queue now: what the disk reads in `prefetch_queue_s`, less the
+        reads queued ahead of them by the estimate (`_disk_eta`); None where unbounded or the bandwidth is unknown.
+
+        The queue stays short because a request's reads still queued at its admission are, by then, mostly not
+        worth waiting for: the plan computes those pages (the GPU reaches them first), and the disk time spent on
+        them is lost to the next request's prefix. A read that lands frees room for the next (the scheduler asks
+        again after each completion), so the disk still never idles while prefixes wait."""
+        bw = self.cost.disk_to_device_bytes_per_s
+        if not self.prefetch_queue_s or not bw:
+            return None
+        ahead = max(0.0, self._disk_read_free_at - self.clock())
+        return max(0, math.ceil((self.prefetch_queue_s - ahead) * bw / self.page_bytes))
 
     def release_prefetch(self, hold: PrefetchHold) -> None:
         """Give back a prefetch hold (the request was admitted, or left the queue)."""

@@ -9,9 +9,15 @@ page is likely to have one when
   whose next turn reads this turn's pages;
 - it is computed a second time: its key was computed before and evicted (Dynamo's KV block manager writes to
   disk at frequency two, counting blocks that left memory too).
-A page of a prompt that shares nothing with anything earlier (one-off requests, the no-reuse case) is not
-written, so it costs the disk nothing. How fast the writes that pass go is the write queue's business: bounded
-(`cache.l3.queue_pages`, `write_policy.l3_host_share`) and behind reads on the I/O threads.
+Other pages are written only with bandwidth to spare, and only while the traffic reuses. The first turn of an
+agent session looks like a one-off prompt until its second turn arrives, by when a small host tier has long
+evicted it: writing it while the disk's write queue has room is what lets the second turn load instead of
+recompute. Such a write takes the queue's room or nothing: it never waits in host memory for the disk, so it
+never delays a likely page's write (controller/writes.py). Whether the traffic reuses is the decayed share of
+requests whose prompt started with a cached prefix: traffic without reuse (one-off requests, the no-reuse case)
+drives it under TRAFFIC_REUSE_MIN within 44 requests, and its pages are then not written, so it costs the disk
+nothing. How fast the writes that pass go is the write queue's business: bounded (`cache.l3.queue_pages`,
+`write_policy.l3_host_share`) and behind reads on the I/O threads.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from collections.abc import Sequence
 from radix import TreeNode
 
 ADMIT_MODES = ("reuse", "all")
+TRAFFIC_REUSE_WEIGHT = 1 / 32  # each request's weight in the traffic's decayed reuse share (older ones fade)
+TRAFFIC_REUSE_MIN = 0.25  # below this share of requests with a cached prefix, pages without a reader are not written
 
 
 def reuse_memory(host_pages: int, disk_pages: int) -> int:
@@ -40,6 +48,9 @@ class ReuseFilter:
         self.mode = mode
         self.capacity = max(1, capacity)
         self._uses: OrderedDict[bytes, int] = OrderedDict()  # page key -> uses seen (2: reuse expected)
+        # decayed share of requests whose prompt started with a cached prefix; a cache's traffic is assumed to reuse
+        # until it shows otherwise (a session's first turn comes before any hit)
+        self.traffic_reuse = 1.0
 
     def computed(self, nodes: Sequence[TreeNode], continues_hit: bool) -> None:
         """These nodes' pages were just computed, by a request whose prompt started with a cached prefix
@@ -53,6 +64,15 @@ class ReuseFilter:
                 uses[key] = 2 if continues_hit else seen + 1
         while len(uses) > self.capacity:
             uses.popitem(last=False)
+
+    def requested(self, cached_prefix: bool) -> None:
+        """A request arrived whose prompt matched a cached prefix (`cached_prefix`) or none."""
+        self.traffic_reuse += TRAFFIC_REUSE_WEIGHT * (cached_prefix - self.traffic_reuse)
+
+    def traffic_reuses(self) -> bool:
+        """Whether the traffic lately reuses prefixes: pages without a reader of their own may take spare write
+        bandwidth."""
+        return self.mode == "all" or self.traffic_reuse >= TRAFFIC_REUSE_MIN
 
     def likely(self, node: TreeNode) -> bool:
         if self.mode == "all" or node.hit_count > 0:

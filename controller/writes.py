@@ -11,16 +11,15 @@ A policy is a strategy object that answers three events for a node: it was just 
 
 GPU -> host copies go through the copier; host -> L3 writes through the L3 worker's bounded queue.
 A node larger than the largest write the queue takes is split and written in parts. A write the full
-queue refuses waits, oldest first, until the queue has room (`drain_waiting`, each poll): bursts of new
-pages (a long first prompt) outrun the disk for a while without losing their writes. Only a page that
-leaves host memory before its turn comes is dropped then, as `l3_queue_full`. A write that
-cannot be made is dropped and counted in `stats.drops` by reason: `host_full`, `l3_queue_full`,
-`disk_full`, `l3_gone` (the L3 process died), `not_reused` (nothing suggests it will be read again:
-`WritePolicy.l3_admit`, controller/reuse.py), `l3_backlog` (the writes waiting for the disk already hold
-WAITING_PER_STAGED times their share of host memory, `WritePolicy.l3_host_share`), `ancestor_gpu_only` (a page
-above it is only on the GPU and cannot be backed up to host: the write's pin would hold it there), and for what
-the L3 store refuses `not_admitted` (its admission rule, `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or
-`l3_write_failed`.
+queue refuses waits, oldest first, until the queue has room (`drain_waiting`, each poll): bursts of new pages (a
+long first prompt) outrun the disk for a while without losing their writes. Only a page that leaves host memory
+before its turn comes is dropped then, as `l3_queue_full`. A write that cannot be made is dropped and counted in
+`stats.drops` by reason: `host_full`, `l3_queue_full`, `disk_full`, `l3_gone` (the L3 process died), `not_reused`
+(nothing suggests it will be read again, and the disk has no bandwidth to spare: `WritePolicy.l3_admit`,
+controller/reuse.py), `l3_backlog` (the writes waiting for the disk already hold WAITING_PER_STAGED times their
+share of host memory, `WritePolicy.l3_host_share`), `ancestor_gpu_only` (a page above it is only on the GPU and
+cannot be backed up to host: the write's pin would hold it there), and for what the L3 store refuses `not_admitted`
+(its admission rule, `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
 """
 
 from __future__ import annotations
@@ -317,7 +316,8 @@ class Writes:
             return node.on_disk
         if node.id in self._waiting and not bounce:
             return False  # it waits its turn (drain_waiting)
-        if not self.reuse.likely(node):
+        spare = not self.reuse.likely(node)  # written only with bandwidth to spare (controller/reuse.py)
+        if spare and not self._spare_room(bounce):
             self.stats.drops["not_reused"] += node.num_pages
             return False
         if handle is None:  # a write asked for later (a hit, an eviction) may still find its host copy landing
@@ -328,6 +328,9 @@ class Writes:
         parts.append(node)
         for i, part in enumerate(parts):
             refused = self._write_part(part, handle, bounce)
+            if refused == "l3_queue_full" and spare:  # no spare bandwidth after all: it does not wait for any
+                self.stats.drops["not_reused"] += sum(p.num_pages for p in parts[i:])
+                return False
             if refused == "l3_queue_full" and not bounce:  # this part and the rest wait for room
                 rest = sum(p.num_pages for p in parts[i:])
                 if self.waiting_disk_pages + rest > WAITING_PER_STAGED * self.staging_pages:
@@ -342,6 +345,14 @@ class Writes:
                 self.stats.drops[refused] += sum(p.num_pages for p in parts[i:])
                 return False
         return True
+
+    def _spare_room(self, bounce: bool) -> bool:
+        """Whether a write without a likely reader may start now (controller/reuse.py): the traffic reuses, no likely
+        write waits for the disk, and queued writes fill less than half the write queue and half the host pages
+        they may pin. Its parts then go while the queue takes them; the rest is dropped, never left waiting."""
+        return (not bounce and not self.waiting_disk and self.reuse.traffic_reuses()
+                and self.worker.queued_write_pages < self.worker.queue_pages // 2
+                and self.eviction.disk_inflight < self.staging_pages // 2)
 
     def _path_off_gpu(self, node: TreeNode) -> bool:
         """Whether every ancestor of `node` has a copy off the GPU, backing up to host those that have none first;

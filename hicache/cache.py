@@ -91,6 +91,11 @@ def calibrate_bandwidths(cost: CostModel, cfg: Config, device: DevicePool, host:
     if lp.disk_to_device_gbps is None and l3 is not None:
         cost = dataclasses.replace(cost, disk_to_device_bytes_per_s=calibrate.disk_to_device_bandwidth(
             l3, copier, device, host))
+    cap = cfg.cache.l3.read_limit_gbps * 1e9 if cfg.cache.l3.path else 0.0
+    if cap and l3 is not None and cost.disk_to_device_bytes_per_s and cost.disk_to_device_bytes_per_s > cap:
+        # a short probe fits the limiter's burst: reads under load run at the cap, and prefetch and the plan's
+        # split are sized by this figure from the first request on (measured reads refine it, as anywhere)
+        cost = dataclasses.replace(cost, disk_to_device_bytes_per_s=cap)
     logger.info("cost model: %s", cost.describe())
     return cost
 
@@ -221,6 +226,7 @@ def build_cache(
         min(sizes.disk_pages + sizes.remote_pages, l3.capacity_pages) if l3 is not None else None,
         prefetch=cfg.cache.load_policy.prefetch,
         prefetch_host_share=cfg.cache.load_policy.prefetch_host_share,
+        prefetch_queue_s=cfg.cache.load_policy.prefetch_queue_s,
         launch_later=sched.launch_loads_after_forward or sched.admit_during_forward,
     )
     if controller.launch_later:

@@ -120,6 +120,10 @@ class LoadPolicyConfig:
     prefetch: bool = True
     # disk reads in flight and prefetched pages held take at most this share of the host pool
     prefetch_host_share: float = 0.5
+    # prefetch keeps at most this many seconds of reads queued on the disk (by its measured bandwidth), adding more
+    # as they land; 0: no bound. Reads still queued when their request is admitted are mostly computed instead
+    # (the GPU gets there first), so a deep queue spends the disk on pages nobody loads (docs/architecture.md)
+    prefetch_queue_s: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -307,6 +311,7 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     for name in ("prefill_tokens_per_s", "host_to_device_gbps", "disk_to_device_gbps"):
         _positive(getattr(c.load_policy, name), f"cache.load_policy.{name}", source)
     _positive(c.load_policy.attention_ns_per_pair, "cache.load_policy.attention_ns_per_pair", source, allow_zero=True)
+    _positive(c.load_policy.prefetch_queue_s, "cache.load_policy.prefetch_queue_s", source, allow_zero=True)
     for key, share in (("write_policy.l3_host_share", c.write_policy.l3_host_share),
                        ("load_policy.prefetch_host_share", c.load_policy.prefetch_host_share)):
         if not 0.0 < share <= 1.0:

@@ -19,9 +19,10 @@ Invariants (checked by `check_integrity`):
   but may leave the GPU or L3 while another tier holds it: pins guard host pages that an L3 write is
   reading, without holding GPU pages hostage to the disk's speed;
 - one exception to leaves first: the host copy of a node that L3 also holds may go while children stay in
-  host memory (`pop_evictable_interior`), unless the node's own pages are pinned (not just a descendant's).
-  A prefix being written, or prefetched for a queued request, would otherwise hold every ancestor's host
-  copy, and a few of them filled the host tier so that new pages found no room and were never cached.
+  host memory, or while descendants are pinned (`pop_evictable_interior`), unless the node's own pages are
+  pinned. A prefix being written, or prefetched for a queued request (its pinned pages still reading from
+  disk, below ancestors in host memory), would otherwise hold every ancestor's host copy, and a few of them
+  filled the host tier so that new pages found no room and were never cached.
 """
 
 from __future__ import annotations
@@ -398,15 +399,15 @@ class RadixTree:
         return self.order.pop(_TIER_INDEX[tier], self._held, skip, groups)
 
     def pop_evictable_interior(self, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
-        """The lowest-priority host copy that may go although children stay in host memory (see the module doc):
-        a node in host memory and in L3 with children in host memory, not locked there and with no pin of its
+        """The lowest-priority host copy that may go although children stay in host memory or descendants are
+        pinned (see the module doc): a node in host memory and in L3, not locked there and with no pin of its
         own. The node is not modified (the caller then calls clear_location with interior=True). O(host nodes):
         the fallback of an eviction that found no leaf."""
         best, best_prio = None, None
         seen: set[int] = set()
         priority = self.priorities[_HOST]
         for leaf in self._leaves[_HOST]:
-            node = leaf.parent
+            node = leaf  # a leaf qualifies only with pinned descendants (else it is an ordinary leaf)
             while node is not self.root and node.loc[_HOST] is not None and node.id not in seen:
                 seen.add(node.id)
                 if self._interior_may_leave(node) and (skip is None or not skip(node)):
@@ -422,7 +423,7 @@ class RadixTree:
         return node.pin_ref - sum(c.pin_ref for c in node.children.values())
 
     def _interior_may_leave(self, node: TreeNode) -> bool:
-        return (node.loc[_DISK] is not None and node.tier_children[_HOST] > 0
+        return (node.loc[_DISK] is not None and (node.tier_children[_HOST] > 0 or node.pin_ref > 0)
                 and not (node.lock_ref > 0 and node.loc[_DEVICE] is None) and self.own_pins(node) == 0)
 
     @staticmethod

@@ -29,6 +29,24 @@ def test_the_config_write_policy_is_the_controllers():
     assert cfg.cache.load_policy.prefetch_host_share == 0.75
 
 
+def test_a_capped_l3_prices_its_reads_at_the_cap():
+    """cache.l3.read_limit_gbps below the disk's measured (here: configured) speed: the cost model, and so prefetch's
+    queue and the plan's split, take the cap from the start; without an L3 path the cap means nothing."""
+    from controller import CostModel
+    from hicache.cache import calibrate_bandwidths
+
+    def priced(l3: dict) -> float | None:
+        cfg = from_dict({"cache": {"l3": l3, "load_policy": {"host_to_device_gbps": 50, "disk_to_device_gbps": 20}}})
+        lp = cfg.cache.load_policy
+        cost = CostModel(64, 1 << 20, "auto", 1e4, lp.host_to_device_gbps * 1e9, lp.disk_to_device_gbps * 1e9)
+        return calibrate_bandwidths(cost, cfg, None, object(), None, object()).disk_to_device_bytes_per_s
+
+    assert priced({"path": "/l3", "read_limit_gbps": 4}) == 4e9
+    assert priced({"path": "/l3", "read_limit_gbps": 40}) == 20e9
+    assert priced({"path": "/l3"}) == 20e9
+    assert priced({"path": None, "read_limit_gbps": 4}) == 20e9
+
+
 @pytest.mark.parametrize(
     "data, message",
     [
@@ -52,6 +70,7 @@ def test_the_config_write_policy_is_the_controllers():
          "unknown key 'cache.write_policy.l3_only_if_loads_pay'"),
         ({"cache": {"write_policy": {"l3_host_share": 0}}}, "cache.write_policy.l3_host_share: must be in"),
         ({"cache": {"load_policy": {"prefetch_host_share": 1.5}}}, "cache.load_policy.prefetch_host_share: must be in"),
+        ({"cache": {"load_policy": {"prefetch_queue_s": -0.1}}}, "cache.load_policy.prefetch_queue_s: must be >= 0"),
         ({"cache": {"l3": {"read_limit_gbps": -1}}}, "cache.l3.read_limit_gbps: must be >= 0"),
         (["a"], "top level must be a mapping"),
     ],

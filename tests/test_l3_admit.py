@@ -11,16 +11,22 @@ import pytest
 from memory_l3 import MemoryL3
 from test_controller import LAYOUT, Harness, seq
 
-from controller import WritePolicy
-from controller.reuse import ReuseFilter
+from controller import CostModel, WritePolicy
+from controller.reuse import TRAFFIC_REUSE_MIN, TRAFFIC_REUSE_WEIGHT, ReuseFilter
 from radix import DEVICE, DISK, HOST, RadixTree
 from tiers.l3.worker import L3Worker
 
 REUSE = dataclasses.replace(WritePolicy.eager(), l3_admit="reuse")
 
 
+def no_reuse_seen(h: Harness) -> Harness:
+    """The harness as after traffic without reuse: pages without a likely reader are not written at all."""
+    h.ctrl.writes.reuse.traffic_reuse = 0.0
+    return h
+
+
 def test_a_prompt_sent_once_is_not_written_and_its_continuation_is():
-    h = Harness(device=8, host=16, disk=64, policy=REUSE)
+    h = no_reuse_seen(Harness(device=8, host=16, disk=64, policy=REUSE))
     h.run(seq(1, 3))
     assert h.l3.used_pages() == 0 and h.ctrl.stats.drops["not_reused"] == 3
     # the next turn of the conversation: its prefix is hit (so written now) and its new pages continue a hit
@@ -32,8 +38,49 @@ def test_a_prompt_sent_once_is_not_written_and_its_continuation_is():
     h.close()
 
 
+def test_one_off_prompts_take_spare_write_bandwidth_until_the_traffic_shows_no_reuse():
+    """A session's first turn looks like a one-off prompt: it is written while the queue has room and the traffic
+    is assumed to reuse. Each prompt that matches nothing lowers the traffic's reuse share; below TRAFFIC_REUSE_MIN
+    one-off pages are not written at all, and one prompt that hits does not reopen the gate by itself."""
+    h = Harness(device=8, host=16, disk=256, policy=REUSE)
+    share, written = 1.0, 0
+    for b in range(1, 61):
+        share += TRAFFIC_REUSE_WEIGHT * (0 - share)  # the prompt matches nothing
+        written += 2 if share >= TRAFFIC_REUSE_MIN else 0
+        h.run(seq(b, 2))
+        assert h.l3.used_pages() == written, b
+    assert 0 < written < 2 * 60 and h.ctrl.stats.drops["not_reused"] == 2 * 60 - written
+    assert h.ctrl.writes.reuse.traffic_reuse == pytest.approx(share)
+    h.check_all_bytes()
+    h.close()
+
+
+def test_a_one_off_write_never_waits_for_the_disk():
+    """Spare-bandwidth writes take at most half the write queue and never wait in host memory for room: with the
+    disk stuck, one-off prompts fill half the queue and the rest are dropped as not reused, while a likely page's
+    write still finds room in the queue."""
+    l3 = StuckL3(256, LAYOUT.page_bytes)
+    l3.go.clear()
+    policy = dataclasses.replace(REUSE, l3_host_share=1.0)
+    h = Harness(device=8, host=64, disk=256, policy=policy, l3=l3,
+                worker=lambda store: L3Worker(store, threads=1, queue_pages=8))
+    for b in range(1, 7):
+        h.run(seq(b, 2))
+    assert h.ctrl.worker.queued_write_pages == 4 and not h.ctrl.writes.waiting_disk
+    assert h.ctrl.stats.drops["not_reused"] == 6 * 2 - 4
+    turn2 = seq(1, 2)[:-1] + [5000 + i for i in range(LAYOUT.page_size + 1)]  # continues prompt 1: likely
+    h.run(turn2)
+    assert h.ctrl.worker.queued_write_pages == 5
+    l3.go.set()
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    assert l3.used_pages() == 5
+    h.ctrl.check_integrity()
+    h.close()
+
+
 def test_a_page_computed_twice_is_written_the_second_time():
-    h = Harness(device=2, host=2, disk=64, policy=REUSE)
+    h = no_reuse_seen(Harness(device=2, host=2, disk=64, policy=REUSE))
     h.run(seq(1, 2))
     for b in (2, 3):  # push seq 1 out of GPU and host memory: it is gone
         h.run(seq(b, 2))
@@ -135,6 +182,45 @@ def test_prefetch_reads_stuck_on_the_disk_hold_at_most_their_share_and_backups_s
     h.close()
 
 
+@pytest.mark.parametrize("queue_s, first", [(0.25, 3), (0.0, 8)])
+def test_prefetch_keeps_at_most_its_queue_of_seconds_on_the_disk_and_goes_on_as_reads_land(queue_s, first):
+    """cache.load_policy.prefetch_queue_s: a disk that reads 10 pages a second takes 0.25 s of reads, 3 pages (the
+    deepest first), and the rest waits; once they have landed and the disk's queue has drained by the estimate, the
+    next 3 go. Reads still queued at admission are mostly computed instead, so a deep queue wastes the disk.
+    Unbounded (0), the prefetch takes the host pool's whole staging share (8 pages) at once."""
+    l3 = StuckL3(256, LAYOUT.page_bytes)
+    first_server = Harness(device=16, host=16, disk=256, l3=l3)
+    first_server.run(seq(1, 12))
+    first_server.close()
+    assert l3.used_pages() == 12
+    l3.go.clear()
+    now = [0.0]
+    cost = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", prefill_tokens_per_s=1e3,
+                     host_to_device_bytes_per_s=1e12, disk_to_device_bytes_per_s=10 * LAYOUT.page_bytes,
+                     adaptive=False, overlap=True)
+    h = Harness(device=4, host=16, disk=256, l3=l3, cost=cost, worker=lambda store: L3Worker(store, threads=1))
+    h.ctrl.loads.clock = lambda: now[0]
+    h.ctrl.loads.prefetch_queue_s = queue_s
+    hold = h.ctrl.prefetch(seq(1, 12), max_pages=12)
+    assert h.ctrl.stats.prefetched_pages == first and hold.short
+    deepest = h.ctrl.tree.match_prefix(seq(1, 12), touch=False).segments[-1][0]
+    assert any(node is deepest for node, _ in hold.pins)  # the deepest pages read first
+    if queue_s:
+        assert h.ctrl.prefetch(seq(1, 12), max_pages=12, hold=hold).pages == 3  # nothing landed: nothing more
+        l3.go.set()
+        assert h.ctrl.worker.wait_idle(30)
+        h.ctrl.poll()  # the reads landed
+        now[0] = 0.3  # and the queue estimate has drained
+        hold = h.ctrl.prefetch(seq(1, 12), max_pages=12, hold=hold)
+        assert h.ctrl.stats.prefetched_pages == 6 and hold.pages == 6
+    l3.go.set()
+    h.ctrl.release_prefetch(hold)
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    h.ctrl.check_integrity()
+    h.close()
+
+
 def test_a_prefetch_never_pins_below_a_page_whose_only_copy_is_on_the_gpu():
     """Pins count along the path and a parent outlives its children, so a hold on disk pages below a GPU-only page
     would make that page unevictable: queued requests could fill the GPU pool with pages nobody may evict, and the
@@ -162,7 +248,7 @@ def test_a_write_backs_up_a_parent_whose_only_copy_is_on_the_gpu_first():
     """A write pins its node's path, and a pinned page whose only copy is on the GPU cannot leave the GPU until the
     write lands: so the parent is copied to host first; with no host room for it the write is dropped."""
     policy = dataclasses.replace(WritePolicy.eager(), l3_admit="reuse")
-    h = Harness(device=16, host=16, disk=64, policy=policy)
+    h = no_reuse_seen(Harness(device=16, host=16, disk=64, policy=policy))
     h.run(seq(1, 2))  # sent once: on GPU and host, not on the disk
     parent = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
     h.ctrl.eviction.evict_node(HOST, parent)  # its host copy leaves: its only copy is on the GPU

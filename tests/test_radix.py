@@ -157,6 +157,36 @@ def test_a_host_copy_above_a_pinned_page_may_go_when_l3_holds_it():
     tree.check_integrity()
 
 
+def test_a_host_leaf_above_a_pinned_page_reading_from_disk_may_go_when_l3_holds_it():
+    """A prefetch pins pages still reading from disk (not yet in host memory) below a prefix that is: that prefix's
+    host copy is a leaf of the host tier held only by its descendants' pins. Where L3 holds it too it may go
+    (it held host pages that new pages' copies needed); without its L3 copy, or with a pin of its own, it stays."""
+    tree = RadixTree(1)
+    tree.insert([1, 2], [0, 1])
+    tree.insert([1, 2, 3], [0, 1, 2])
+    leaf = tree.match_prefix([1, 2, 3], touch=False).last_node
+    parent = leaf.parent
+    tree.set_location(parent, HOST, [10, 11])
+    tree.set_location(leaf, DISK, list(leaf.keys))
+    tree.clear_location(leaf, DEVICE)
+    tree.clear_location(parent, DEVICE)
+    tree.pin(leaf)  # its read into host memory is in flight
+    assert parent.tier_children[1] == 0 and tree.pop_evictable(HOST) is None
+    assert tree.pop_evictable_interior() is None  # the parent is only in host memory: its copy is needed
+    tree.set_location(parent, DISK, list(parent.keys))
+    assert tree.pop_evictable_interior() is parent
+    pages, orphans = tree.clear_location(parent, HOST, interior=True)
+    assert pages == [10, 11] and orphans == [] and parent.loc[1:] == [None, list(parent.keys)]
+    tree.check_integrity()
+    tree.set_location(parent, HOST, [12, 13])
+    tree.pin(parent)  # held for a queued request itself
+    assert tree.pop_evictable_interior() is None
+    tree.unpin(parent)
+    tree.unpin(leaf)
+    assert tree.pop_evictable_interior() is None and tree.pop_evictable(HOST) is parent  # an ordinary leaf again
+    tree.check_integrity()
+
+
 def test_parent_cannot_leave_tier_before_children():
     tree = RadixTree(1)
     tree.insert([1, 2], [0, 1])

@@ -174,6 +174,8 @@ def make_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, kv_per_tok
     given = {name: swept.get(name) or getattr(args, name) or getattr(lp, name) for name in defaults}
     prefill, h2d, d2d = (given[name] or default for name, default in defaults.items())
     assumed = tuple(name for name in defaults if not given[name])
+    if cfg.cache.l3.read_limit_gbps and not rates.get("disk_gbps"):  # the server's store reads no faster than its cap
+        d2d = min(d2d, cfg.cache.l3.read_limit_gbps)
     return ReplaySetup(
         block_tokens, sizes.device_pages, sizes.host_pages, sizes.disk_pages, kv_per_token * block_tokens, policy,
         args.eviction_policy or preset.get("eviction_policy", cfg.cache.eviction_policy),
@@ -236,7 +238,7 @@ def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibratio
         disk_shared=not (l3.read_limit_gbps or l3.write_limit_gbps),
         max_running=sc.max_running_requests, chunk_tokens=sc.chunk_tokens, batch_tokens=sc.prefill_batch_tokens,
         admit_during_forward=sc.admit_during_forward, overlap=lp.overlap, prefetch=lp.prefetch,
-        prefetch_host_share=lp.prefetch_host_share,
+        prefetch_host_share=lp.prefetch_host_share, prefetch_queue_s=lp.prefetch_queue_s,
         l3_queue_pages=max(1, cfg.cache.l3.queue_pages * page // block_tokens),
         max_context_tokens=min(limits) if limits else None,
     ), tuple(assumed)

@@ -61,6 +61,7 @@ class TimeSetup:
     overlap: bool = True
     prefetch: bool = True
     prefetch_host_share: float = 0.5
+    prefetch_queue_s: float = 0.25
     l3_queue_pages: int = 4096
     max_context_tokens: int | None = None  # the server's context limit besides the GPU tier (model, config)
 
@@ -145,7 +146,7 @@ class TimedReplay:
                          adaptive=False, overlap=t.overlap)
         self.ctrl = TierController(tree, device, host, self.store, self.copier, setup.write_policy, cost, self.worker,
                                    setup.disk_blocks or None, prefetch=t.prefetch,
-                                   prefetch_host_share=t.prefetch_host_share)
+                                   prefetch_host_share=t.prefetch_host_share, prefetch_queue_s=t.prefetch_queue_s)
         self.ctrl.loads.clock = clock
         self.sched = BlockScheduler(self.ctrl, bt, t)
         self.sched.clock = clock

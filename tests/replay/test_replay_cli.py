@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from controller.reuse import TRAFFIC_REUSE_MIN, TRAFFIC_REUSE_WEIGHT
 from hicache.cli import main
 from hicache.replay.core import Replayer, ReplaySetup
 from hicache.replay.reuse import stack_depths
@@ -83,25 +84,34 @@ def test_json_figures_and_exit_codes(tmp_path: Path) -> None:
 
 
 def test_blocks_nothing_suggests_are_reused_are_not_written_and_the_summary_says_why(tmp_path: Path, capsys) -> None:
-    """l3_admit reuse (the server's default): of two prompts sent once each, nothing is written; a third that
-    continues the first one's prefix is written (its conversation came back), the blocks it hit too."""
-    once = [mooncake(i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6]])]
+    """l3_admit reuse (the server's default): one-off prompts are written only while the traffic is taken to reuse
+    (controller/reuse.py: the first TRAFFIC_REUSE_MIN-th of a decaying share); after the 60 one-off prompts below,
+    two more are not written; a third that continues one of them is written (its conversation came back), the
+    blocks it hit too."""
+    warm = [mooncake(i * 10.0, [100 + i]) for i in range(60)]  # one block each, never seen again
+    once = warm + [mooncake(1000.0 + i * 500.0, ids) for i, ids in enumerate([[1, 2, 3], [4, 5, 6]])]
+    share, spare = 1.0, 0
+    for _ in warm:
+        share -= TRAFFIC_REUSE_WEIGHT * share
+        spare += share >= TRAFFIC_REUSE_MIN
+    # host copies at once (no deferral), so each prompt's write is decided with the share its own arrival left
     base = ["--block-tokens", "4", "--device-tokens", "16", "--host-tokens", "20", "--disk-tokens", "32",
-            "--write-host-to-disk", "write_through", "--kv-bytes-per-token", "100", "--no-time", "--no-progress"]
+            "--write-host-to-disk", "write_through", "--defer-above-free", "1.0", "--kv-bytes-per-token", "100",
+            "--no-time", "--no-progress"]
     out = tmp_path / "once.json"
     assert main(["replay", write(tmp_path / "once.jsonl", once), *base, "--json", str(out)]) == 0
     d = json.loads(out.read_text())["disk"]
-    assert d["pages_written"] == 0 and d["not_reused_pages"] == 6
-    assert "disk writes skipped: 6 blocks" in capsys.readouterr().out
+    assert 0 < spare < 60 and d["pages_written"] == spare and d["not_reused_pages"] == 60 - spare + 6
+    assert f"disk writes skipped: {60 - spare + 6} blocks" in capsys.readouterr().out
     out = tmp_path / "all.json"
     assert main(["replay", write(tmp_path / "once.jsonl", once), *base, "--l3-admit", "all", "--json", str(out)]) == 0
     d = json.loads(out.read_text())["disk"]
-    assert d["pages_written"] == 6 and d["not_reused_pages"] == 0
-    again = once + [mooncake(1000.0, [1, 2, 3, 7])]
+    assert d["pages_written"] == 60 + 6 and d["not_reused_pages"] == 0
+    again = once + [mooncake(3000.0, [1, 2, 3, 7])]
     out = tmp_path / "again.json"
     assert main(["replay", write(tmp_path / "again.jsonl", again), *base, "--json", str(out)]) == 0
     d = json.loads(out.read_text())["disk"]
-    assert d["pages_written"] == 4 and d["not_reused_pages"] == 6  # [1, 2, 3] on their hit, then 7
+    assert d["pages_written"] == spare + 4 and d["not_reused_pages"] == 60 - spare + 6  # [1, 2, 3] on their hit, 7
 
 
 def test_replay_prices_deep_blocks_dearer_with_an_attention_cost(tmp_path: Path, capsys) -> None:
