@@ -48,11 +48,13 @@ class Eviction:
         self.write_pending: Callable[[TreeNode], bool] = lambda node: False
         self.landing: list[tuple[Any, list[int]]] = []  # (copy, host pages) freed while that copy still lands
 
-    def allocate(self, tier: str, n: int, protect: TreeNode | None = None, group: int | None = None
-                 ) -> list[int] | None:
+    def allocate(self, tier: str, n: int, protect: TreeNode | None = None, group: int | None = None,
+                 wait: bool = True) -> list[int] | None:
         """n free pages of the GPU or host tier, evicting there as needed (never `protect`); None if impossible.
         `group`: the share group the pages will cache (a backup, a prefetch): with shares, pages that would put it
-        over its own may evict only the pages of groups over theirs, its own first (`evict`)."""
+        over its own may evict only the pages of groups over theirs, its own first (`evict`). Host pages freed
+        while a GPU -> host copy still lands in them are room only once it has landed: `wait` (the engine thread
+        blocks for the oldest of those copies, as many as it needs), else they are not room now."""
         pool = self.device if tier == DEVICE else self.host
         if n > pool.capacity_pages:
             return None
@@ -60,8 +62,8 @@ class Eviction:
             self.reap_host_frees()
         if pool.allocator.free_pages < n:
             self.evict(tier, n - pool.allocator.free_pages, protect, group, n)
-        if tier == HOST and self.landing and pool.allocator.free_pages < n:
-            self.reap_host_frees(wait=True)  # no other room: the pages of the copies landing are the room
+        if wait and tier == HOST and self.landing and pool.allocator.free_pages < n:
+            self.reap_host_frees(need=n)  # no other room: the pages of the copies landing are the room
         return pool.allocate(n)
 
     def evict(self, tier: str, need: int, protect: TreeNode | None = None, group: int | None = None,
@@ -77,7 +79,8 @@ class Eviction:
         groups, strict = self.tree.quota_victims(tier, group, incoming)
         skip: Callable[[TreeNode], bool] | None
         if tier == HOST:
-            skip = lambda node: node is protect or (node.lock_ref > 0 and not self.transfers.ready(node))  # noqa: E731
+            skip = lambda node: (node is protect or (node.lock_ref > 0 and not self.transfers.ready(node))  # noqa: E731
+                                 or self._landing(node))
         else:
             skip = (lambda node: node is protect) if protect is not None else None
         while freed < need:
@@ -90,6 +93,14 @@ class Eviction:
                 break
             freed += self.evict_node(tier, self._tail(node, need - freed), interior)
         return freed
+
+    def _landing(self, node: TreeNode) -> bool:
+        """Whether a GPU -> host copy still lands in the node's host pages (a backup just made). Such pages are no
+        room until it lands, after the forward that computes them: evicting them made the engine thread wait for the
+        GPU (hundreds of milliseconds a step under write pressure), only to drop one new page for another."""
+        pages = node.host_pages
+        handle = self.transfers.host_fills.get(pages[-1]) if pages else None
+        return handle is not None and not handle.done()
 
     def _pick_host(self, skip: Any, groups: list[int] | None = None) -> tuple[TreeNode | None, bool]:
         """The next host copy to evict, and whether it is an interior one: the lowest-priority leaf whose L3 write
@@ -156,21 +167,29 @@ class Eviction:
             self.host.free(ready)
         self.landing.extend(later.values())
 
-    def reap_host_frees(self, wait: bool = False) -> int:
-        """Free the host pages whose landing copy is done (`wait`: wait for every one); returns the pages freed."""
+    def reap_host_frees(self, wait: bool = False, need: int = 0) -> int:
+        """Free the host pages whose landing copy is done; returns the pages freed. `wait`: wait for every copy;
+        `need`: then wait for copies, oldest first, only until that many host pages are free. A copy fills pages that
+        the forward queued before it computes, so waiting for the newest ones stalls the engine thread until the GPU
+        has caught up with it (hundreds of milliseconds a step under write pressure); the oldest have landed or
+        nearly."""
         freed, keep = 0, []
-        start = _clock() if wait else 0.0
         for handle, pages in self.landing:
-            if wait or handle.done():
-                if wait:
-                    handle.wait()
+            if handle.done():
                 self.host.free(pages)
                 freed += len(pages)
             else:
                 keep.append((handle, pages))
         self.landing = keep
-        if wait:
-            self.stats.host_free_wait_s += _clock() - start
+        if not wait and self.host.allocator.free_pages >= need:
+            return freed
+        start = _clock()
+        while self.landing and (wait or self.host.allocator.free_pages < need):
+            handle, pages = self.landing.pop(0)
+            handle.wait()
+            self.host.free(pages)
+            freed += len(pages)
+        self.stats.host_free_wait_s += _clock() - start
         return freed
 
     def host_census(self) -> dict[str, int]:

@@ -370,7 +370,8 @@ class Loads:
                         own = sum(k for _, k in hold.pins)
                         hold.short = queue_bound or n <= self.staging_pages - own
                         break
-                    host_pages = self.eviction.allocate(HOST, n, group=chunk.group)
+                    # best effort: never block the engine thread for copies still landing in freed host pages
+                    host_pages = self.eviction.allocate(HOST, n, group=chunk.group, wait=False)
                     if host_pages is None:
                         if not retry:  # counted once per request, not once per step it asks again
                             self.stats.drops["host_full_on_prefetch"] += n
