@@ -504,6 +504,47 @@ def test_with_no_other_room_the_host_tier_waits_for_the_landing_copy(monkeypatch
     assert h.ctrl.stats.host_free_wait_s == 0.25 and h.ctrl.stats.snapshot()["host_free_wait_s"] == 0.25
 
 
+def test_an_allocation_waits_for_the_oldest_landing_copies_only_until_it_has_room():
+    """Copies land in the order they were queued (after the forward that computes their pages): the newest may wait
+    for the GPU to finish a forward, so an allocation waits for the oldest only, as many as it needs; a best-effort
+    one (a prefetch) waits for none."""
+    h = Harness(device=4, host=4, disk=0, copier=SlowCopier)
+    ev = h.ctrl.eviction
+    old, new = ev.allocate(HOST, 2), ev.allocate(HOST, 2)
+    first, second = SlowCopier.Handle(h.copier.log), SlowCopier.Handle(h.copier.log)
+    h.ctrl.transfers.host_fills.update({**dict.fromkeys(old, first), **dict.fromkeys(new, second)})
+    ev.free_host_pages(old)
+    ev.free_host_pages(new)
+    assert ev.allocate(HOST, 2, wait=False) is None and h.copier.log == []
+    got = ev.allocate(HOST, 2)
+    assert sorted(got) == sorted(old) and h.copier.log == [("host wait", first)]
+    assert ev.landing_host_pages() == new  # the newest copy is still landing, not waited for
+    h.host.free(got)
+    h.ctrl.check_integrity()
+
+
+def test_host_eviction_passes_over_a_backup_still_landing():
+    """A node whose GPU -> host copy has not landed is no room: evicting it would make the next allocation wait for
+    that copy (and so for the forward before it) to drop one new page for another. Older host copies go instead;
+    with none left the allocation is refused rather than waiting."""
+    h = Harness(device=8, host=4, disk=0, copier=SlowCopier)
+    h.run(seq(1, 2))  # backed up: its copy has not landed
+    older = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
+    h.copier.handles[-1].landed = True
+    h.run(seq(2, 2))
+    newer = h.ctrl.tree.match_prefix(seq(2, 2), touch=False).last_node
+    assert older.on_host and newer.on_host and not h.copier.handles[-1].done()
+    got = h.ctrl.eviction.allocate(HOST, 2)
+    assert got is not None and not older.on_host and newer.on_host and h.copier.log == []
+    h.ctrl.eviction.free_host_pages(got)
+    assert h.ctrl.eviction.allocate(HOST, 4) is None and newer.on_host and h.copier.log == []
+    h.copier.handles[-1].landed = True
+    got = h.ctrl.eviction.allocate(HOST, 4)
+    assert got is not None and not newer.on_host
+    h.host.free(got)
+    h.ctrl.check_integrity()
+
+
 class GatedL3(MemoryL3):
     """MemoryL3 whose writes wait for `gate`: an L3 write stays in flight as long as a test needs."""
 
