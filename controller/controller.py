@@ -268,6 +268,8 @@ class TierController:
             self.host_room_version += 1
         if self.writes.waiting_disk:
             self.writes.drain_waiting()
+        else:
+            self.writes.drain_spare()
         self.eviction.remove_invalid()
         if self.eviction.landing and self.eviction.reap_host_frees():
             self.host_room_version += 1

@@ -9,15 +9,15 @@ page is likely to have one when
   whose next turn reads this turn's pages;
 - it is computed a second time: its key was computed before and evicted (Dynamo's KV block manager writes to
   disk at frequency two, counting blocks that left memory too).
-Other pages are written only with bandwidth to spare, and only while the traffic reuses. The first turn of an
-agent session looks like a one-off prompt until its second turn arrives, by when a small host tier has long
-evicted it: writing it while the disk's write queue has room is what lets the second turn load instead of
-recompute. Such a write takes the queue's room or nothing: it never waits in host memory for the disk, so it
-never delays a likely page's write (controller/writes.py). Whether the traffic reuses is the decayed share of
-requests whose prompt started with a cached prefix: traffic without reuse (one-off requests, the no-reuse case)
-drives it under TRAFFIC_REUSE_MIN within 44 requests, and its pages are then not written, so it costs the disk
-nothing. How fast the writes that pass go is the write queue's business: bounded (`cache.l3.queue_pages`,
-`write_policy.l3_host_share`) and behind reads on the I/O threads.
+Other pages are written only with bandwidth to spare, and only while the traffic reuses. The first turn of an agent
+session looks like a one-off prompt until its second turn arrives, by when a small host tier has long evicted it:
+writing it while the disk's write queue has room is what lets the second turn load instead of recompute. Such a
+write takes spare room in the queue or none: refused, it is remembered without a pin and written once room comes
+back (newest first), so it never delays a likely page's write (controller/writes.py). Whether the traffic reuses is
+the decayed share of requests whose prompt started with a cached prefix: traffic without reuse (one-off requests,
+the no-reuse case) drives it under TRAFFIC_REUSE_MIN within 44 requests, and its pages are then not written, so it
+costs the disk nothing. How fast the writes that pass go is the write queue's business: bounded
+(`cache.l3.queue_pages`, `write_policy.l3_host_share`) and behind reads on the I/O threads.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from controller.eviction import Eviction
@@ -46,6 +46,8 @@ HOST_FULL_REPORT_S = 10.0
 
 # L3 writes waiting for their turn (unpinned, but leaving host memory last) hold at most this many times the host
 # pages queued writes may pin (WritePolicy.l3_host_share); past that a write is dropped as `l3_backlog`
+# spare-bandwidth writes remembered for later at most (a node each; stale ones are skipped when their turn comes)
+SPARE_LATER_NODES = 4096
 WAITING_PER_STAGED = 2
 
 # the store's reasons for refusing a page (L3Store.write_pages_detailed) -> the drop they are counted as
@@ -169,6 +171,9 @@ class Writes:
         # included) still waiting: see the module doc
         self.waiting_disk: deque[TreeNode] = deque()
         self._waiting: dict[int, TreeNode] = {}
+        # nodes without a likely reader whose write found no spare room: written, newest first, once the disk has
+        # room again (`drain_spare`, each poll), forgotten when they leave host memory (controller/reuse.py)
+        self._spare: OrderedDict[int, TreeNode] = OrderedDict()
         self._host_full_reported = float("-inf")
         tree.split_listeners.append(self._split)
         eviction.hook = self
@@ -218,6 +223,9 @@ class Writes:
             if self._waiting.pop(node.id, None) is not None:  # its turn in the L3 queue did not come in time
                 if not node.on_disk and node.id not in self.transfers.writing:
                     self.stats.drops["l3_queue_full"] += node.num_pages
+            if self._spare.pop(node.id, None) is not None and not node.on_disk \
+                    and node.id not in self.transfers.writing:
+                self.stats.drops["not_reused"] += node.num_pages  # no spare room came in time
 
     def _host_copy_pays(self, node: TreeNode) -> bool:
         """Whether a node still on the GPU should get a host copy now (leaving the GPU, or hit again). A node
@@ -229,6 +237,8 @@ class Writes:
     def _split(self, upper: TreeNode, lower: TreeNode) -> None:
         if lower.id in self._waiting:
             self._waiting[upper.id] = upper
+        if lower.id in self._spare:
+            self._spare[upper.id] = upper
 
     # ------------------------------------------------------------------ deferred write-through
 
@@ -318,8 +328,12 @@ class Writes:
             return False  # it waits its turn (drain_waiting)
         spare = not self.reuse.likely(node)  # written only with bandwidth to spare (controller/reuse.py)
         if spare and not self._spare_room(bounce):
-            self.stats.drops["not_reused"] += node.num_pages
+            if bounce or not self.reuse.traffic_reuses():
+                self.stats.drops["not_reused"] += node.num_pages
+            else:
+                self._defer_spare([node])
             return False
+        self._spare.pop(node.id, None)
         if handle is None:  # a write asked for later (a hit, an eviction) may still find its host copy landing
             handle = self._copy_in_flight(node)
         parts = []
@@ -328,8 +342,8 @@ class Writes:
         parts.append(node)
         for i, part in enumerate(parts):
             refused = self._write_part(part, handle, bounce)
-            if refused == "l3_queue_full" and spare:  # no spare bandwidth after all: it does not wait for any
-                self.stats.drops["not_reused"] += sum(p.num_pages for p in parts[i:])
+            if refused == "l3_queue_full" and spare:  # no spare bandwidth after all: later, if any comes
+                self._defer_spare(parts[i:])
                 return False
             if refused == "l3_queue_full" and not bounce:  # this part and the rest wait for room
                 rest = sum(p.num_pages for p in parts[i:])
@@ -353,6 +367,32 @@ class Writes:
         return (not bounce and not self.waiting_disk and self.reuse.traffic_reuses()
                 and self.worker.queued_write_pages < self.worker.queue_pages // 2
                 and self.eviction.disk_inflight < self.staging_pages // 2)
+
+    def _defer_spare(self, nodes: Sequence[TreeNode]) -> None:
+        """Remember nodes whose spare-bandwidth write found no room, newest last; past SPARE_LATER_NODES the oldest
+        are given up (counted as not_reused)."""
+        for node in nodes:
+            self._spare[node.id] = node
+            self._spare.move_to_end(node.id)
+        while len(self._spare) > SPARE_LATER_NODES:
+            _, old = self._spare.popitem(last=False)
+            if not old.removed and old.on_host and not old.on_disk:
+                self.stats.drops["not_reused"] += old.num_pages
+
+    def drain_spare(self) -> int:
+        """Write remembered spare-bandwidth nodes, newest first (the latest session turn is the likeliest to be
+        continued while still in host memory), while the disk has spare room; returns the pages queued."""
+        queued = 0
+        while self._spare and self._spare_room(False):
+            _, node = self._spare.popitem(last=True)
+            if node.removed or node.on_disk or not node.on_host or node.id in self.transfers.writing:
+                continue
+            before = self.eviction.disk_inflight
+            self.write_to_disk(node)
+            if self.eviction.disk_inflight == before:
+                break  # refused after all (remembered again): the room is not there yet
+            queued += self.eviction.disk_inflight - before
+        return queued
 
     def _path_off_gpu(self, node: TreeNode) -> bool:
         """Whether every ancestor of `node` has a copy off the GPU, backing up to host those that have none first;
