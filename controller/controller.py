@@ -37,7 +37,8 @@ from controller.reuse import ReuseFilter, reuse_memory
 from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import Transfers
-from controller.writes import NoWrites, Writes, tier_writes
+from controller.write_policies import NoWrites, tier_writes
+from controller.writes import Writes
 from radix import DEFAULT_NAMESPACE, DEVICE, DISK, HOST, CacheNamespace, MatchResult, RadixTree
 from tiers.copy import FencedCopier, LaunchLater
 from tiers.l3.worker import L3Worker

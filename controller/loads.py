@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from controller.cost import CostModel, LoadPlan
+from controller.disk_reads import DiskReads
 from controller.eviction import Eviction
 from controller.give_up import ReadDeadlines
 from controller.ports import Copier, HostTier, Pool, Worker, page_buffers
@@ -26,7 +27,6 @@ from controller.transfers import FAILED, PENDING_COPY, PREFETCHED, DiskLoad, Tra
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 from tiers.l3.worker import Completion
 
-READ_ESTIMATE_HALF_LIFE_S = 5.0  # how fast the disk bandwidth estimate forgets old reads
 # a disk read is at most this many bytes: a long prefix lands in parts (0.13 s each at 2 GB/s), so a request that
 # stops waiting at its deadline (controller/give_up.py) keeps the parts that landed
 READ_CHUNK_BYTES = 256 << 20
@@ -76,9 +76,7 @@ class Loads:
         # within it, and a request's reads only while other requests' reads do (a lone request always reads)
         self.staging_pages = int(staging_share * host.capacity_pages)
         self.prefetch_queue_s = prefetch_queue_s  # seconds of reads prefetch may keep queued (0: no bound)
-        self._disk_read_free_at = 0.0  # when the L3 read queue drains, as the cost model sees it
-        self._read_busy_until = 0.0  # end of the last read interval seen (see _observe_disk_read)
-        self._read_window: tuple[float, float, float | None] = (0.0, 0.0, None)  # decayed bytes, busy s, last end
+        self.disk_reads = DiskReads(lambda: self.clock())  # the read queue's landing and bandwidth estimates
 
     # ------------------------------------------------------------------ planning
 
@@ -299,11 +297,7 @@ class Loads:
 
     def _disk_eta(self, pages: int) -> float:
         """When a read of `pages` submitted now should land: reads queue behind each other on the disk."""
-        now = self.clock()
-        bw = self.cost.disk_to_device_bytes_per_s
-        start = max(now, self._disk_read_free_at)
-        self._disk_read_free_at = start + (pages * self.page_bytes / bw if bw else 0.0)
-        return self._disk_read_free_at
+        return self.disk_reads.eta(pages * self.page_bytes, self.cost.disk_to_device_bytes_per_s)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -326,9 +320,9 @@ class Loads:
             limit = min(limit, max_pages)
         budget = self.staging_pages - self.staged_pages
         queue_room = self._prefetch_queue_room()
-        queue_bound = queue_room is not None and queue_room < budget  # the disk queue, not host room, stops it
-        if queue_room is not None and queue_bound:
-            budget = queue_room
+        queue_bound = False  # the disk's read queue, not host room, stops it
+        if queue_room is not None and queue_room < budget:
+            budget, queue_bound = queue_room, True
         candidates: list[tuple[TreeNode, str]] = []
         pos = 0
         for node, tier in m.segments:
@@ -394,7 +388,8 @@ class Loads:
 
     def _prefetch_queue_room(self) -> int | None:
         """Pages a prefetch may add to the disk's read queue now: what the disk reads in `prefetch_queue_s`, less the
-        reads queued ahead of them by the estimate (`_disk_eta`); None where unbounded or the bandwidth is unknown.
+        reads queued ahead of them by the estimate (`DiskReads.ahead`); None where unbounded or the bandwidth is
+        unknown.
 
         The queue stays short because a request's reads still queued at its admission are, by then, mostly not
         worth waiting for: the plan computes those pages (the GPU reaches them first), and the disk time spent on
@@ -403,8 +398,7 @@ class Loads:
         bw = self.cost.disk_to_device_bytes_per_s
         if not self.prefetch_queue_s or not bw:
             return None
-        ahead = max(0.0, self._disk_read_free_at - self.clock())
-        return max(0, math.ceil((self.prefetch_queue_s - ahead) * bw / self.page_bytes))
+        return max(0, math.ceil((self.prefetch_queue_s - self.disk_reads.ahead()) * bw / self.page_bytes))
 
     def release_prefetch(self, hold: PrefetchHold) -> None:
         """Give back a prefetch hold (the request was admitted, or left the queue)."""
@@ -473,27 +467,13 @@ class Loads:
         return parts
 
     def _observe_disk_read(self, nbytes: int, seconds: float, end: float) -> None:
-        """Fold a measured L3 read into the cost model's disk bandwidth, so decisions follow the disk.
-
-        Reads run side by side on the worker's reader threads, so one read's own time overstates what its bytes
-        cost: 4 reads in flight each take about 4x as long. The estimate is bytes over the time the disk had
-        reads in flight (the union of the reads' [end - seconds, end] intervals), both sums decayed with a
-        half-life of READ_ESTIMATE_HALF_LIFE_S; the calibrated figure starts it as one second's worth.
-        """
+        """Fold a measured L3 read into the cost model's disk bandwidth, so decisions follow the disk
+        (`DiskReads.observe`); a configured bandwidth stays."""
         if seconds <= 0 or not self.cost.adaptive:
             return
-        start = max(end - seconds, self._read_busy_until)
-        busy = max(0.0, end - start)
-        b, t, last = self._read_window
-        if last is None:
-            old = self.cost.disk_to_device_bytes_per_s
-            b, t, last = (old, 1.0, end - seconds) if old else (0.0, 0.0, end)
-        decay = 0.5 ** (max(0.0, end - last) / READ_ESTIMATE_HALF_LIFE_S)
-        b, t = b * decay + nbytes, t * decay + busy
-        self._read_window = (b, t, max(last, end))
-        self._read_busy_until = max(self._read_busy_until, end)
-        if t > 0:
-            self.cost = dataclasses.replace(self.cost, disk_to_device_bytes_per_s=b / t)
+        bw = self.disk_reads.observe(nbytes, seconds, end, self.cost.disk_to_device_bytes_per_s)
+        if bw is not None:
+            self.cost = dataclasses.replace(self.cost, disk_to_device_bytes_per_s=bw)
 
     def loading_host_pages(self) -> Sequence[int]:
         """Host pages that reads in flight are filling (owned by nobody in the tree yet)."""

@@ -1,7 +1,7 @@
 """Writes: copying pages down a tier (GPU -> host, host -> L3), under a write policy per tier.
 
-A policy is a strategy object that answers three events for a node: it was just computed
-(`on_commit`), it was hit again (`on_hit`), or it is about to leave its tier (`on_evict`):
+A policy is a strategy object (controller/write_policies.py) that answers three events for a node: it was just
+computed (`on_commit`), it was hit again (`on_hit`), or it is about to leave its tier (`on_evict`):
 - `WriteThrough` copies at commit, and again on a hit where an earlier copy was refused;
 - `DeferredWriteThrough` (GPU -> host only) queues commit-time copies while the GPU pool has room to
   spare, starts them in slices once it fills, when the engine idles, or on eviction;
@@ -30,11 +30,11 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from controller.eviction import Eviction
-from controller.policy import WritePolicy
 from controller.ports import L3, Copier, HostTier, Pool, Worker, page_buffers
 from controller.reuse import ReuseFilter
 from controller.stats import CacheStats
 from controller.transfers import Transfers
+from controller.write_policies import TierWrites
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 from tiers.copy import COMPLETED, TransferHandle
 from tiers.l3.worker import Completion
@@ -46,9 +46,10 @@ HOST_FULL_REPORT_S = 10.0
 
 # L3 writes waiting for their turn (unpinned, but leaving host memory last) hold at most this many times the host
 # pages queued writes may pin (WritePolicy.l3_host_share); past that a write is dropped as `l3_backlog`
+WAITING_PER_STAGED = 2
+
 # spare-bandwidth writes remembered for later at most (a node each; stale ones are skipped when their turn comes)
 SPARE_LATER_NODES = 4096
-WAITING_PER_STAGED = 2
 
 # the store's reasons for refusing a page (L3Store.write_pages_detailed) -> the drop they are counted as
 WRITE_REFUSALS = {"not_admitted": "not_admitted", "busy": "l3_busy", "degraded": "l3_degraded"}
@@ -71,73 +72,6 @@ class AllTransfers:
     def wait(self) -> None:
         for h in self.handles:
             h.wait()
-
-
-class TierWrites:
-    """When one tier's pages are copied to the tier below (see the module doc). The base copies never."""
-
-    defers = False  # commit-time copies may wait for memory pressure (DeferredWriteThrough)
-    defer_above_free = 1.0  # while more than this share of the GPU pool is free, they wait (see DeferredWriteThrough)
-    counts_hits = False  # a hit is reported to the L3's admission rule before the copy is retried
-
-    def on_commit(self, node: TreeNode) -> bool:
-        return False
-
-    def on_hit(self, node: TreeNode) -> bool:
-        return False
-
-    def on_evict(self, node: TreeNode) -> bool:
-        return False
-
-
-class NoWrites(TierWrites):
-    """The tier below is absent."""
-
-
-class WriteThrough(TierWrites):
-    counts_hits = True
-
-    def on_commit(self, node: TreeNode) -> bool:
-        return True
-
-    def on_hit(self, node: TreeNode) -> bool:
-        return True  # the copy made at commit was refused (full tier or queue), or evicted below: again
-
-
-class DeferredWriteThrough(WriteThrough):
-    defers = True
-
-    def __init__(self, defer_above_free: float):
-        self.defer_above_free = defer_above_free
-
-    def on_evict(self, node: TreeNode) -> bool:
-        return True  # its queued copy had not started yet
-
-
-class SelectiveWriteThrough(TierWrites):
-
-    def __init__(self, hits: int):
-        self.hits = hits
-
-    def on_hit(self, node: TreeNode) -> bool:
-        return node.hit_count >= self.hits
-
-
-class WriteBack(TierWrites):
-
-    def on_evict(self, node: TreeNode) -> bool:
-        return True
-
-
-def tier_writes(mode: str, policy: WritePolicy, deferrable: bool = False) -> TierWrites:
-    """The strategy for one tier's `mode` (a name of `controller.policy.WRITE_POLICIES`)."""
-    if mode == "write_back":
-        return WriteBack()
-    if mode == "write_through_selective":
-        return SelectiveWriteThrough(policy.selective_hits)
-    if deferrable and policy.defers_backups:
-        return DeferredWriteThrough(policy.defer_above_free)
-    return WriteThrough()
 
 
 class Writes:
@@ -363,7 +297,8 @@ class Writes:
     def _spare_room(self, bounce: bool) -> bool:
         """Whether a write without a likely reader may start now (controller/reuse.py): the traffic reuses, no likely
         write waits for the disk, and queued writes fill less than half the write queue and half the host pages
-        they may pin. Its parts then go while the queue takes them; the rest is dropped, never left waiting."""
+        they may pin. Its parts then go while the queue takes them; the rest is remembered (`_defer_spare`), never
+        left waiting in the queue."""
         return (not bounce and not self.waiting_disk and self.reuse.traffic_reuses()
                 and self.worker.queued_write_pages < self.worker.queue_pages // 2
                 and self.eviction.disk_inflight < self.staging_pages // 2)

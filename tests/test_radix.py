@@ -2,7 +2,7 @@
 
 import pytest
 
-from radix import DEVICE, DISK, HOST, TIERS, RadixTree, namespace_fingerprint, page_keys
+from radix import DEVICE, DISK, HOST, TIERS, RadixTree, TreeNode, namespace_fingerprint, page_keys
 
 
 def device_page_ids(m):
@@ -126,13 +126,19 @@ def test_pin_keeps_host_copy_but_frees_gpu_copy():
     tree.check_integrity()
 
 
-def test_a_host_copy_above_a_pinned_page_may_go_when_l3_holds_it():
+def parent_and_leaf_with_parent_in_host() -> tuple[RadixTree, TreeNode, TreeNode]:
+    """A two-page parent and a one-page leaf below it, both on the GPU, the parent also in host memory."""
     tree = RadixTree(1)
     tree.insert([1, 2], [0, 1])
     tree.insert([1, 2, 3], [0, 1, 2])
     leaf = tree.match_prefix([1, 2, 3], touch=False).last_node
     parent = leaf.parent
     tree.set_location(parent, HOST, [10, 11])
+    return tree, parent, leaf
+
+
+def test_a_host_copy_above_a_pinned_page_may_go_when_l3_holds_it():
+    tree, parent, leaf = parent_and_leaf_with_parent_in_host()
     tree.set_location(leaf, HOST, [12])
     tree.pin(leaf)  # an L3 write reads the leaf's host page
     assert tree.pop_evictable(HOST) is None
@@ -161,12 +167,7 @@ def test_a_host_leaf_above_a_pinned_page_reading_from_disk_may_go_when_l3_holds_
     """A prefetch pins pages still reading from disk (not yet in host memory) below a prefix that is: that prefix's
     host copy is a leaf of the host tier held only by its descendants' pins. Where L3 holds it too it may go
     (it held host pages that new pages' copies needed); without its L3 copy, or with a pin of its own, it stays."""
-    tree = RadixTree(1)
-    tree.insert([1, 2], [0, 1])
-    tree.insert([1, 2, 3], [0, 1, 2])
-    leaf = tree.match_prefix([1, 2, 3], touch=False).last_node
-    parent = leaf.parent
-    tree.set_location(parent, HOST, [10, 11])
+    tree, parent, leaf = parent_and_leaf_with_parent_in_host()
     tree.set_location(leaf, DISK, list(leaf.keys))
     tree.clear_location(leaf, DEVICE)
     tree.clear_location(parent, DEVICE)
