@@ -441,7 +441,8 @@ class Loads:
                 else:
                     self.transfers.clear(part)
             self.stats.moved(DISK, HOST, n, self.page_bytes)
-            self._observe_disk_read(n * self.page_bytes, c.seconds, c.end or time.monotonic())
+            if not c.shared:  # a write batch ran beside it: its time is the two sharing the disk
+                self._observe_disk_read(n * self.page_bytes, c.seconds, c.end or time.monotonic())
         else:
             self.host.free(load.host_pages)
             self.stats.load_failures += 1
@@ -468,7 +469,12 @@ class Loads:
 
     def _observe_disk_read(self, nbytes: int, seconds: float, end: float) -> None:
         """Fold a measured L3 read into the cost model's disk bandwidth, so decisions follow the disk
-        (`DiskReads.observe`); a configured bandwidth stays."""
+        (`DiskReads.observe`); a configured bandwidth stays.
+
+        Only reads that had the disk to themselves count. One that a write batch ran beside took longer by the
+        write's share of the disk: counted, the estimate fell to the read speed left over by the writes of that
+        moment, and with it the reads the plan and prefetch start, while the writer yields to reads anyway
+        (tiers/l3/worker.py). bench/RESULTS.md, 'The disk adds its bandwidth', has what that estimate cost."""
         if seconds <= 0 or not self.cost.adaptive:
             return
         bw = self.disk_reads.observe(nbytes, seconds, end, self.cost.disk_to_device_bytes_per_s)

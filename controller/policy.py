@@ -14,11 +14,13 @@ WRITE_POLICIES = get_args(WritePolicyName)
 @dataclass(frozen=True)
 class WritePolicy:
     """When pages are copied down a tier (GPU -> host, host -> L3). It is also the config's
-    `cache.write_policy` (hicache/config.py), so these defaults are the server's: every page reaches host memory,
-    deferred while the GPU pool has room to spare; pages reach the L3 when host memory evicts them."""
+    `cache.write_policy` (hicache/config.py), so these defaults are the server's (and configs/default.yaml's):
+    every page reaches host memory, deferred while the GPU pool has room to spare; pages likely to be read again
+    reach the L3 as soon as they are in host memory, so host eviction drops copies the L3 already holds instead of
+    waiting for the disk (controller/reuse.py says which pages, controller/writes.py how fast)."""
 
     device_to_host: WritePolicyName = "write_through"
-    host_to_disk: WritePolicyName = "write_back"
+    host_to_disk: WritePolicyName = "write_through"
     selective_hits: int = 2  # hits before write_through_selective copies a page down
     # device_to_host write_through only: while more than this share of the GPU pool is free, a new page's host
     # copy waits (it is started when free pages fall to this share, when the page is evicted, or when the engine

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from memory_l3 import MemoryL3
 
 from controller import CostModel, L3Worker, TierController, WritePolicy
+from controller.disk_reads import READ_ESTIMATE_HALF_LIFE_S
 from controller.stats import REMOTE
 from radix import DEVICE, DISK, HOST, RadixTree
 from tiers import DevicePool, HostPool, KVLayout, PageCopier
@@ -1131,6 +1132,35 @@ def test_disk_bandwidth_estimate_counts_concurrent_reads_once():
     assert fixed.ctrl.cost.disk_to_device_bytes_per_s == 5e6  # configured, not measured: left alone
 
 
+class SharedReads(L3Worker):
+    """An inline worker whose reads report that a write batch ran beside them (`shared`), each taking 1 s."""
+
+    def __init__(self, store, shared: bool):
+        super().__init__(store, synchronous=True)
+        self.shared = shared
+
+    def completions(self):
+        return [dataclasses.replace(c, seconds=1.0, end=float(i + 1), shared=self.shared) if c.kind == "read" else c
+                for i, c in enumerate(super().completions())]
+
+
+def test_disk_bandwidth_estimate_leaves_out_reads_that_shared_the_disk_with_writes():
+    """A read that a write batch ran beside measures the two sharing the disk: the estimate stays where the reads
+    that had the disk to themselves put it."""
+    l3 = CountingL3(32, LAYOUT.page_bytes)
+    Harness(l3=l3, device=4, host=8).run(seq(7, 3))
+    cost = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "always", 1000.0, 1e9, 5e6)
+    estimates = {}
+    for shared in (True, False):
+        h = Harness(l3=l3, device=4, host=8, cost=cost, worker=lambda store, s=shared: SharedReads(store, s))
+        assert h.run(seq(7, 3)) == {DISK: 3}
+        estimates[shared] = h.ctrl.cost.disk_to_device_bytes_per_s
+    assert estimates[True] == 5e6  # left out: the starting figure
+    # one read of 3 pages in 1 s, folded into the starting figure's one second's worth, decayed over that second
+    decay = 0.5 ** (1.0 / READ_ESTIMATE_HALF_LIFE_S)
+    assert estimates[False] == pytest.approx((5e6 * decay + 3 * LAYOUT.page_bytes) / (decay + 1.0))
+
+
 def test_disk_calibration_reads_real_pages_and_leaves_nothing_behind():
     from controller import calibrate
 
@@ -1159,8 +1189,9 @@ def test_disk_calibration_on_a_slow_store_writes_about_a_second_of_pages(monkeyp
     monkeypatch.setattr(calibrate, "time", Clock())
     l3 = CountingL3(64, LAYOUT.page_bytes)
     h = Harness(device=16, host=16, l3=l3)
-    assert calibrate.disk_to_device_bandwidth(l3, h.copier, h.dev, h.host, pages=8) == pytest.approx(
-        2 * LAYOUT.page_bytes / 0.4)
+    read, write = calibrate.disk_bandwidths(l3, h.copier, h.dev, h.host, pages=8)
+    assert read == pytest.approx(2 * LAYOUT.page_bytes / 0.4)
+    assert write == pytest.approx(LAYOUT.page_bytes / 0.4)  # the batch after the first page: 1 page in 0.4 s
     assert l3.pages_read == 3 * 2 and l3.used_pages() == 0
     assert h.dev.used_pages() == 0 and h.host.used_pages() == 0
 

@@ -67,8 +67,10 @@ def test_writes_wait_for_reads_in_flight(monkeypatch):
         store.gate.set()
         assert worker.wait_idle(10)
         assert store.log == ["read start", "read end", "write"]
-        done = {c.token: c.results for c in worker.completions()}
-        assert done == {"r": [True], "w": [True]} and torch.equal(out, page(7))
+        done = {c.token: c for c in worker.completions()}
+        assert {t: c.results for t, c in done.items()} == {"r": [True], "w": [True]} and torch.equal(out, page(7))
+        assert not done["r"].shared  # the disk was the read's alone
+        assert done["w"].end >= done["r"].end > 0
     finally:
         store.gate.set()
         worker.close()
@@ -84,6 +86,10 @@ def test_a_stream_of_reads_cannot_starve_writes(monkeypatch):
         assert worker.submit_write("w", [b"w" * 16], [page(1)])
         assert store.wrote.wait(30)  # the read never ends: written once the bounded wait is over
         assert "read end" not in store.log
+        store.gate.set()
+        assert worker.wait_idle(10)
+        done = {c.token: c for c in worker.completions()}
+        assert done["r"].shared  # a write ran while it read: its time is not the disk's read speed
     finally:
         store.gate.set()
         worker.wait_idle(10)

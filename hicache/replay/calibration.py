@@ -2,7 +2,8 @@
 
 `hicache serve` times its prefill (and the attention cost per token of context) at startup and follows the disk's
 measured reads; /metrics exports what its cost model uses now (`hicache_cost_prefill_tokens_per_second`,
-`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`), what its decode-only steps took
+`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`), the L3's write speed at startup
+(`hicache_cost_disk_write_gbps`: the time model's disk writes), what its decode-only steps took
 (`hicache_cost_decode_step_seconds`, `hicache_cost_decode_seconds_per_sequence`: the time model's decode costs) and
 how long its engine thread scheduled a step besides the forward (`hicache_engine_schedule_seconds`, less
 `hicache_engine_schedule_overlapped_seconds`, over `hicache_engine_steps`). SOURCE is that text saved to a file
@@ -29,6 +30,7 @@ class Calibration:
     attention_ns_per_pair: float | None = None
     host_to_device_gbps: float | None = None
     disk_to_device_gbps: float | None = None
+    disk_write_gbps: float | None = None  # the L3's write speed at startup: for the time model, not the config
     # what its decode-only steps took (a fit of step time against sequences): for the time model, not the config
     decode_step_s: float | None = None
     decode_seq_s: float | None = None
@@ -73,6 +75,8 @@ def parse_calibration(text: str, source: str = "<metrics>") -> Calibration:
                     values["attention_ns_per_pair"] = s.value
                 elif s.name == "hicache_cost_load_gbps" and s.labels.get("tier") in ("host", "disk"):
                     values[f"{s.labels['tier']}_to_device_gbps"] = s.value
+                elif s.name == "hicache_cost_disk_write_gbps":
+                    values["disk_write_gbps"] = s.value
                 elif s.name == "hicache_cost_decode_step_seconds":
                     values["decode_step_s"] = s.value
                 elif s.name == "hicache_cost_decode_seconds_per_sequence":

@@ -160,6 +160,9 @@ class CacheCollector:
         bandwidth.add_metric([HOST], cost.get("host_to_device_gbps") or 0)
         bandwidth.add_metric([DISK], cost.get("disk_to_device_gbps") or 0)
         yield bandwidth
+        yield GaugeMetricFamily("hicache_cost_disk_write_gbps", "L3 write bandwidth measured at startup, its sync "
+                                "included (0: unknown); for the replay's time model, not for decisions",
+                                value=cost.get("disk_write_gbps") or 0)
         first = cost.get("disk_pays_from_token", 0)
         yield GaugeMetricFamily("hicache_cost_disk_pays_from_token", "The first prompt position from which loading "
                                 "a disk page beats recomputing it (-1: none)", value=-1 if first is None else first)

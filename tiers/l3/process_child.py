@@ -115,7 +115,8 @@ def _forward(worker: L3Worker, conn: Connection, done: threading.Event) -> None:
         batch = worker.wait_completions(FORWARD_POLL_S)
         if batch:
             try:
-                conn.send(("done", [(c.kind, c.token, c.results, c.seconds, c.end, c.reasons) for c in batch]))
+                conn.send(("done", [(c.kind, c.token, c.results, c.seconds, c.end, c.reasons, c.shared)
+                                    for c in batch]))
             except OSError:
                 return
         elif done.is_set():

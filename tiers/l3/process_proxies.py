@@ -364,7 +364,7 @@ class WorkerProxy:
 
     def _complete(self, items: list[tuple[Any, ...]]) -> None:
         with self._lock:
-            for kind, job_id, results, seconds, end, reasons in items:
+            for kind, job_id, results, seconds, end, reasons, shared in items:
                 job = self._jobs.pop(job_id, None)
                 if job is None:
                     continue
@@ -372,13 +372,13 @@ class WorkerProxy:
                     self._queued -= len(job.keys)
                     self._staging_free.extend(job.staged)
                 self._inbox.append(Completion(kind, job.token, list(results), frozenset(job.keys), seconds, end,
-                                              tuple(reasons)))
+                                              tuple(reasons), shared))
 
     def _fail_all(self) -> None:
         """The child is gone: every job in flight completes as failed."""
         with self._lock:
             pending = list(self._jobs)
             items = [(self._jobs[j].kind, j, [False] * len(self._jobs[j].keys), 0.0, time.monotonic(),
-                      ("gone",) * len(self._jobs[j].keys) if self._jobs[j].kind == "write" else ())
+                      ("gone",) * len(self._jobs[j].keys) if self._jobs[j].kind == "write" else (), False)
                      for j in pending]
         self._complete(items)

@@ -8,7 +8,8 @@ instead of stalling compute; the controller keeps them waiting for room (control
 Reads come first: a request waits for them, while writes are background work. The writer starts no
 new batch while reads are queued or running (for at most `READ_PRIORITY_MAX_WAIT_S` at a time, so a
 steady stream of reads cannot starve it), so a disk busy with write-through traffic still serves
-reads at close to its full speed.
+reads at close to its full speed. A read that a write batch ran beside all the same (it came while the batch ran)
+says so (`Completion.shared`): its time measures the two sharing the disk, not the disk's read speed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Completion:
     seconds: float = 0.0  # time the store call took (reads: for the controller's bandwidth estimate)
     end: float = 0.0  # time.monotonic() when it finished: concurrent reads overlap, [end - seconds, end] each
     reasons: tuple[str | None, ...] = ()  # writes: why each refused page was refused, where the store says
+    shared: bool = False  # reads: a write batch ran during some of it (its time is not the disk's read speed)
 
 
 @dataclass
@@ -59,6 +61,8 @@ class L3Worker:
         self._queued_pages = 0
         self._outstanding = 0
         self._reads_active = 0  # reads queued or running
+        self._writing = False  # a write batch is running
+        self._write_ended = 0.0  # time.monotonic() when the last write batch ended
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._writes: queue.Queue[_WriteJob | None] = queue.Queue()
@@ -183,6 +187,7 @@ class L3Worker:
             pages.extend(job.pages)
         start = time.perf_counter()
         detailed = getattr(self.store, "write_pages_detailed", None)  # L3Store: with the reasons of refusals
+        self._writing = True
         try:
             if detailed is not None:
                 results, reasons = detailed(keys, pages)
@@ -192,20 +197,28 @@ class L3Worker:
         except Exception:  # the store reports I/O faults as False; anything else is a bug, keep serving
             logger.exception("L3 write of %d pages failed", len(keys))
             results, reasons = [False] * len(keys), [None] * len(keys)
+        finally:
+            self._write_ended = time.monotonic()
+            self._writing = False
+        end = self._write_ended
         i = 0
         for job in batch:
             n = len(job.keys)
             elapsed = time.perf_counter() - start
-            self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys), elapsed,
+            self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys), elapsed, end,
                                     reasons=tuple(reasons[i : i + n])), n)
             i += n
 
     def _run_read(self, token: Any, keys: list[bytes], pages: list[Any]) -> None:
         start = time.perf_counter()
+        began = time.monotonic()
+        shared = self._writing
         try:
             results = list(self.store.read_pages(keys, pages))
         except Exception:
             logger.exception("L3 read of %d pages failed", len(keys))
             results = [False] * len(keys)
-        self._finish(Completion("read", token, results, frozenset(keys), time.perf_counter() - start,
-                                time.monotonic()))
+        end = time.monotonic()
+        shared = shared or self._writing or self._write_ended > began
+        self._finish(Completion("read", token, results, frozenset(keys), time.perf_counter() - start, end,
+                                shared=shared))
