@@ -50,23 +50,15 @@ CALIBRATION_IO_S = 1.0  # about how long the L3 bandwidth calibration writes (an
 
 def disk_to_device_bandwidth(l3: Any, copier: Any, device: Any, host: Any, pages: int = 32,
                              max_bytes: int = 256 << 20) -> float | None:
-    """Bytes/s of reading pages from L3 into host pages and copying them to the GPU (`disk_bandwidths`)."""
-    return disk_bandwidths(l3, copier, device, host, pages, max_bytes)[0]
-
-
-def disk_bandwidths(l3: Any, copier: Any, device: Any, host: Any, pages: int = 32,
-                    max_bytes: int = 256 << 20) -> tuple[float | None, float | None]:
-    """(read, write) bytes/s of the L3: reading pages into host pages and copying them to the GPU, and writing
-    them (one batch, its sync included). At most `pages` pages and `max_bytes`, best of 3 reads (the first also
-    starts the store's I/O threads). One batch, as a request's load reads; the read estimate then follows the
-    reads serving makes (Loads._observe_disk_read). A first page's write, timed, sizes the batch to about
-    CALIBRATION_IO_S of writing, so that a slow or capped store (cache.l3.write_limit_gbps) is measured in seconds
-    rather than minutes. The write figure is for the report and the replay (`hicache replay --calibration`):
-    writes are background work that no decision waits for. None where the store has no room or fails."""
+    """Bytes/s of reading pages from L3 into host pages and copying them to the GPU: at most `pages` pages and
+    `max_bytes`, best of 3 reads (the first also starts the store's I/O threads). One batch, as a request's
+    load reads; the estimate then follows the reads serving makes (Loads._observe_disk_read). A first page's
+    write, timed, sizes the batch to about CALIBRATION_IO_S of writing, so that a slow or capped store
+    (cache.l3.write_limit_gbps) is measured in seconds rather than minutes."""
     pages = min(pages, max(1, max_bytes // max(1, host.page_bytes)), host.allocator.free_pages,
                 device.allocator.free_pages)
     if pages < 1 or l3.capacity_pages - l3.used_pages() < pages:
-        return None, None
+        return None
     host_pages = host.allocate(pages)
     dev_pages = device.allocate(pages)
     keys = [os.urandom(16) for _ in range(pages)]
@@ -74,21 +66,16 @@ def disk_bandwidths(l3: Any, copier: Any, device: Any, host: Any, pages: int = 3
     try:
         start = time.perf_counter()
         if not all(l3.write_pages(keys[:1], views[:1])):
-            return None, None
+            return None
         one = time.perf_counter() - start
-        written = float(host.page_bytes / one) if one > 0 else None
         if one * pages > CALIBRATION_IO_S:  # a slow store: as many pages as about CALIBRATION_IO_S writes
             keep = max(1, int(CALIBRATION_IO_S / one))
             host.free(host_pages[keep:])
             device.free(dev_pages[keep:])
             keys, views, host_pages, dev_pages, pages = keys[:keep], views[:keep], host_pages[:keep], \
                 dev_pages[:keep], keep
-        if pages > 1:
-            start = time.perf_counter()
-            if not all(l3.write_pages(keys[1:], views[1:])):
-                return None, None
-            took = time.perf_counter() - start
-            written = float((pages - 1) * host.page_bytes / took) if took > 0 else written
+        if pages > 1 and not all(l3.write_pages(keys[1:], views[1:])):
+            return None
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
@@ -96,9 +83,9 @@ def disk_bandwidths(l3: Any, copier: Any, device: Any, host: Any, pages: int = 3
             if copier is not None:
                 copier.to_device(host_pages, dev_pages).wait()
             if not all(ok):
-                return None, None
+                return None
             best = min(best, time.perf_counter() - start)
-        return float(pages * host.page_bytes / best), written
+        return float(pages * host.page_bytes / best)
     finally:
         l3.discard(keys)  # everywhere: a remote tier keeps what is only deleted here
         host.free(host_pages)

@@ -44,7 +44,6 @@ class CostModel:
     prefill_tokens_per_s: float | None = None
     host_to_device_bytes_per_s: float | None = None
     disk_to_device_bytes_per_s: float | None = None
-    disk_write_bytes_per_s: float | None = None  # the L3's write speed, measured at startup: reported, not priced
     attention_seconds_per_pair: float = 0.0  # prefill seconds per (token, earlier token) pair: see above
     adaptive: bool = True  # update the disk bandwidth from measured reads (off when it was configured)
     overlap: bool = False  # allow plans that compute a gap while the pages after it load
@@ -207,7 +206,6 @@ class CostModel:
             "attention_ns_per_pair": self.attention_seconds_per_pair * 1e9,
             "host_to_device_gbps": (self.host_to_device_bytes_per_s or 0) / 1e9,
             "disk_to_device_gbps": (self.disk_to_device_bytes_per_s or 0) / 1e9,
-            "disk_write_gbps": (self.disk_write_bytes_per_s or 0) / 1e9,
             "load_disk_page": self.load_seconds(DISK) < self.compute_seconds(),
             "disk_pays_from_token": self.pays_from_token(DISK),
             "adaptive": self.adaptive,

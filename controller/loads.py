@@ -310,7 +310,7 @@ class Loads:
         retry = hold is not None
         if hold is None:
             hold = PrefetchHold()
-        hold.short = False
+        hold.short = hold.queue_bound = False
         if not self.prefetch_enabled:
             return hold
         held = {id(node) for node, _ in hold.pins}
@@ -357,12 +357,13 @@ class Loads:
                         upper = self.tree.split(chunk, n - room if self.cost.overlap else room)
                         chunk = chunk if self.cost.overlap else upper
                         n = chunk.num_pages
-                        hold.short = True  # the rest of it waits for room
+                        hold.short, hold.queue_bound = True, queue_bound  # the rest of it waits for room
                     elif n > room:
                         # short (worth asking again: once reads land, or holds are released) unless it could not fit
                         # even with every other hold released
                         own = sum(k for _, k in hold.pins)
                         hold.short = queue_bound or n <= self.staging_pages - own
+                        hold.queue_bound = queue_bound
                         break
                     # best effort: never block the engine thread for copies still landing in freed host pages
                     host_pages = self.eviction.allocate(HOST, n, group=chunk.group, wait=False)
@@ -385,6 +386,17 @@ class Loads:
         hold.started += started
         self.stats.prefetched_pages += started
         return hold
+
+    def prefetch_refill_ready(self) -> bool:
+        """Whether a prefetch the disk's read queue stopped should go on now: the queue has room for a refill of
+        a quarter of it (at most a read chunk). Room for a page or two comes back with every read that lands, and
+        asking again for it (a match of a long prompt, its path locked and unlocked) cost the engine thread
+        milliseconds a step, for a queue that stays three quarters full either way."""
+        room = self._prefetch_queue_room()
+        if room is None:
+            return True
+        queue = self.prefetch_queue_s * (self.cost.disk_to_device_bytes_per_s or 0) / self.page_bytes
+        return room >= max(1, min(self.read_chunk_pages, math.ceil(queue / 4)))
 
     def _prefetch_queue_room(self) -> int | None:
         """Pages a prefetch may add to the disk's read queue now: what the disk reads in `prefetch_queue_s`, less the

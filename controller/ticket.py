@@ -16,6 +16,7 @@ class PrefetchHold:
     pins: list[tuple[TreeNode, int]] = field(default_factory=list)  # (pinned node, pages this hold read)
     started: int = 0  # pages whose L3 reads this hold started
     short: bool = False  # stopped for lack of host room: `prefetch(..., hold=this)` may take more later
+    queue_bound: bool = False  # short because the disk's read queue was full (prefetch_queue_s), not host memory
     room_version: int = -1  # the controller's host_room_version when it was last asked
 
     @property

@@ -89,8 +89,8 @@ def calibrate_bandwidths(cost: CostModel, cfg: Config, device: DevicePool, host:
         cost = dataclasses.replace(cost, host_to_device_bytes_per_s=calibrate.host_to_device_bandwidth(
             copier, device, host))
     if lp.disk_to_device_gbps is None and l3 is not None:
-        read, write = calibrate.disk_bandwidths(l3, copier, device, host)
-        cost = dataclasses.replace(cost, disk_to_device_bytes_per_s=read, disk_write_bytes_per_s=write)
+        cost = dataclasses.replace(cost, disk_to_device_bytes_per_s=calibrate.disk_to_device_bandwidth(
+            l3, copier, device, host))
     cap = cfg.cache.l3.read_limit_gbps * 1e9 if cfg.cache.l3.path else 0.0
     if cap and l3 is not None and cost.disk_to_device_bytes_per_s and cost.disk_to_device_bytes_per_s > cap:
         # a short probe fits the limiter's burst: reads under load run at the cap, and prefetch and the plan's

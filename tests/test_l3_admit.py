@@ -228,6 +228,43 @@ def test_prefetch_keeps_at_most_its_queue_of_seconds_on_the_disk_and_goes_on_as_
     h.close()
 
 
+def test_a_prefetch_the_disk_queue_stopped_asks_again_once_a_quarter_of_the_queue_is_free():
+    """A disk that reads 100 pages a second holds a 0.25 s queue of 25 pages. Once that is queued the prefetch does
+    not match its prompt again for the page or two each landing read frees, only for a quarter of the queue (7
+    pages): the match of a long prompt each step cost the engine thread milliseconds for nothing."""
+    l3 = StuckL3(256, LAYOUT.page_bytes)
+    first_server = Harness(device=64, host=64, disk=256, l3=l3)
+    first_server.run(seq(1, 40))
+    first_server.close()
+    l3.go.clear()  # the reads queue and do not land
+    now = [0.0]
+    cost = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", prefill_tokens_per_s=1e3,
+                     host_to_device_bytes_per_s=1e12, disk_to_device_bytes_per_s=100 * LAYOUT.page_bytes,
+                     adaptive=False, overlap=True)
+    h = Harness(device=4, host=128, disk=256, l3=l3, cost=cost, worker=lambda store: L3Worker(store, threads=1))
+    h.ctrl.loads.clock = lambda: now[0]
+    h.ctrl.loads.prefetch_queue_s = 0.25  # the server's default (configs/default.yaml)
+    assert h.ctrl.loads.staging_pages == 64
+    matches = []
+    match = h.ctrl.match
+    h.ctrl.match = lambda *a, **k: matches.append(1) or match(*a, **k)
+    hold = h.ctrl.prefetch(seq(1, 40), max_pages=40)
+    assert h.ctrl.stats.prefetched_pages == 25 and hold.short and hold.queue_bound and len(matches) == 1
+    now[0] = 0.03  # 3 pages' worth of the queue drained, and a read landed (each completion bumps the version)
+    h.ctrl.host_room_version += 1
+    assert h.ctrl.prefetch(seq(1, 40), max_pages=40, hold=hold) is hold
+    assert len(matches) == 1 and h.ctrl.stats.prefetched_pages == 25
+    now[0] = 0.1  # 10 pages' worth: the queue is refilled
+    hold = h.ctrl.prefetch(seq(1, 40), max_pages=40, hold=hold)
+    assert len(matches) == 2 and h.ctrl.stats.prefetched_pages == 35 and hold.pages == 35 and hold.queue_bound
+    l3.go.set()
+    h.ctrl.release_prefetch(hold)
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    h.ctrl.check_integrity()
+    h.close()
+
+
 def test_a_prefetch_never_pins_below_a_page_whose_only_copy_is_on_the_gpu():
     """Pins count along the path and a parent outlives its children, so a hold on disk pages below a GPU-only page
     would make that page unevictable: queued requests could fill the GPU pool with pages nobody may evict, and the

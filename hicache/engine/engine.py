@@ -152,6 +152,9 @@ class Engine:
         self.counters = {
             "steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "forward_s": 0.0, "finished": 0, "graph_steps": 0,
             "schedule_s": 0.0, "inputs_s": 0.0, "overlapped_s": 0.0,
+            # steps with prefill: count, and their scheduling besides what overlapped the forward (the replay's step
+            # cost; a decode-only step's scheduling is in its wall time below)
+            "prefill_steps": 0, "prefill_schedule_s": 0.0,
             # decode-only steps: count, wall seconds, sequences, sequences squared, sequences x seconds (a line fit)
             "decode_steps": 0, "decode_step_s": 0.0, "decode_step_seqs": 0, "decode_step_seqs2": 0,
             "decode_step_seq_s": 0.0,

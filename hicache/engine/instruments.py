@@ -103,6 +103,7 @@ class StepTimes(Instrument):
         self.counters = counters
         self.enqueue = (0.0, 0.0)
         self._t = 0.0
+        self._own = 0.0  # this step's scheduling, less what overlapped its forward
         self._forward = (0.0, 0.0)
 
     def _lap(self) -> float:
@@ -110,14 +111,20 @@ class StepTimes(Instrument):
         lap, self._t = now - self._t, now
         return lap
 
+    def _schedule(self) -> None:
+        lap = self._lap()
+        self.counters["schedule_s"] += lap
+        self._own += lap
+
     def begin(self) -> None:
         self._t = self._begin = time.perf_counter()
+        self._own = 0.0
 
     def planned(self, plan: Plan) -> None:
-        self.counters["schedule_s"] += self._lap()
+        self._schedule()
 
     def forward_begin(self) -> None:
-        self.counters["schedule_s"] += self._lap()  # the stream waits for the plan's copies
+        self._schedule()  # the stream waits for the plan's copies
         self._forward = (self._t, time.thread_time())
 
     def forward_queued(self) -> None:
@@ -135,7 +142,7 @@ class StepTimes(Instrument):
 
     def end(self, plan: Plan, first_tokens: int) -> None:
         c = self.counters
-        c["schedule_s"] += self._lap()  # commits
+        self._schedule()  # commits
         if not plan:
             return
         c["steps"] += 1
@@ -144,7 +151,10 @@ class StepTimes(Instrument):
             decode = n == 1 and req.num_output
             decodes += bool(decode)
             c["decode_tokens" if decode else "prefill_tokens"] += n
-        if decodes == len(plan):  # a decode-only step: its wall time against its batch (server/metrics.py fits them)
+        if decodes < len(plan):
+            c["prefill_steps"] += 1
+            c["prefill_schedule_s"] += self._own
+        else:  # a decode-only step: its wall time against its batch (server/metrics.py fits them)
             seconds = time.perf_counter() - self._begin
             c["decode_steps"] += 1
             c["decode_step_s"] += seconds

@@ -2,11 +2,10 @@
 
 `hicache serve` times its prefill (and the attention cost per token of context) at startup and follows the disk's
 measured reads; /metrics exports what its cost model uses now (`hicache_cost_prefill_tokens_per_second`,
-`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`), the L3's write speed at startup
-(`hicache_cost_disk_write_gbps`: the time model's disk writes), what its decode-only steps took
+`hicache_cost_attention_ns_per_pair`, `hicache_cost_load_gbps{tier}`), what its decode-only steps took
 (`hicache_cost_decode_step_seconds`, `hicache_cost_decode_seconds_per_sequence`: the time model's decode costs) and
-how long its engine thread scheduled a step besides the forward (`hicache_engine_schedule_seconds`, less
-`hicache_engine_schedule_overlapped_seconds`, over `hicache_engine_steps`). SOURCE is that text saved to a file
+how long its engine thread scheduled a step with prefill besides the forward (`hicache_engine_prefill_schedule_seconds`
+over `hicache_engine_prefill_steps`; from an older server, the mean over all steps). SOURCE is that text saved to a file
 (`curl -s http://HOST:PORT/metrics > server.metrics`) or the server's address. The cost-model values fold into the
 config's `cache.load_policy`, so a replay's load-or-recompute decisions and its prefill times use the server's own
 numbers; flags still override them. A 0 in the metrics means unknown and is left out.
@@ -30,7 +29,6 @@ class Calibration:
     attention_ns_per_pair: float | None = None
     host_to_device_gbps: float | None = None
     disk_to_device_gbps: float | None = None
-    disk_write_gbps: float | None = None  # the L3's write speed at startup: for the time model, not the config
     # what its decode-only steps took (a fit of step time against sequences): for the time model, not the config
     decode_step_s: float | None = None
     decode_seq_s: float | None = None
@@ -75,14 +73,13 @@ def parse_calibration(text: str, source: str = "<metrics>") -> Calibration:
                     values["attention_ns_per_pair"] = s.value
                 elif s.name == "hicache_cost_load_gbps" and s.labels.get("tier") in ("host", "disk"):
                     values[f"{s.labels['tier']}_to_device_gbps"] = s.value
-                elif s.name == "hicache_cost_disk_write_gbps":
-                    values["disk_write_gbps"] = s.value
                 elif s.name == "hicache_cost_decode_step_seconds":
                     values["decode_step_s"] = s.value
                 elif s.name == "hicache_cost_decode_seconds_per_sequence":
                     values["decode_seq_s"] = s.value
                 elif s.name in ("hicache_engine_steps_total", "hicache_engine_schedule_seconds_total",
-                                "hicache_engine_schedule_overlapped_seconds_total"):
+                                "hicache_engine_schedule_overlapped_seconds_total",
+                                "hicache_engine_prefill_steps_total", "hicache_engine_prefill_schedule_seconds_total"):
                     engine[s.name] = s.value
     except ValueError as e:
         raise ReplayError(f"--calibration {source}: not Prometheus text: {e}") from None
@@ -90,7 +87,11 @@ def parse_calibration(text: str, source: str = "<metrics>") -> Calibration:
         raise ReplayError(f"--calibration {source}: no hicache_cost_* metrics in it (is it a hicache server's "
                           "/metrics?)")
     steps = engine.get("hicache_engine_steps_total", 0)
-    if steps > 0 and "hicache_engine_schedule_seconds_total" in engine:
+    prefill_steps = engine.get("hicache_engine_prefill_steps_total", 0)
+    if prefill_steps > 0 and "hicache_engine_prefill_schedule_seconds_total" in engine:
+        # the time model adds it to steps with prefill; decode-only steps carry theirs in the decode fit
+        values["step_overhead_s"] = engine["hicache_engine_prefill_schedule_seconds_total"] / prefill_steps
+    elif steps > 0 and "hicache_engine_schedule_seconds_total" in engine:  # a server without the split: the mean
         own = engine["hicache_engine_schedule_seconds_total"] - engine.get(
             "hicache_engine_schedule_overlapped_seconds_total", 0.0)
         values["step_overhead_s"] = max(0.0, own) / steps

@@ -100,8 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                        "calibration's, else 0)")
     t.add_argument("--step-overhead-ms", type=float, help="the engine thread's own time a step with prefill, "
                    "besides the forward (default: the calibration's, else 0)")
-    t.add_argument("--disk-write-gbps", type=float, help="disk write bandwidth, GB/s (default: the calibration's "
-                   "measured write speed, else the read bandwidth)")
+    t.add_argument("--disk-write-gbps", type=float, help="disk write bandwidth, GB/s (default: the read bandwidth)")
     t.add_argument("--output-length", type=int, default=16,
                    help="agent sessions: answer tokens at most, as `hicache bench agent` sends them (default 16)")
     t.add_argument("--think-scale", type=float, default=0.0,
@@ -221,11 +220,8 @@ def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibratio
     l3 = cfg.cache.l3  # a server with its L3 capped (cache.l3.read_limit_gbps, write_limit_gbps) runs at the caps
     if args.disk_write_gbps is not None and not args.disk_write_gbps > 0:
         raise ReplayError(f"--disk-write-gbps must be > 0, got {args.disk_write_gbps}")
-    measured = calibration.disk_write_gbps if calibration is not None else None
-    if measured and l3.write_limit_gbps:
-        measured = min(measured, l3.write_limit_gbps)
-    write = (rates.get("disk_write_gbps") or args.disk_write_gbps or rates.get("disk_gbps") or measured
-             or l3.write_limit_gbps or None)
+    write = (rates.get("disk_write_gbps") or args.disk_write_gbps or rates.get("disk_gbps") or l3.write_limit_gbps
+             or None)
     sc, lp = cfg.scheduler, cfg.cache.load_policy
     page = cfg.cache.page_size
     try:  # the server's context limit besides its GPU tier: the model's positions and the configured cap

@@ -54,6 +54,10 @@ ENGINE_COUNTERS = (
      "controller)", "schedule_s"),
     ("hicache_engine_schedule_overlapped_seconds", "The part of the scheduling seconds spent after a forward was "
      "queued (starting loads, admit_during_forward), while the GPU computes", "overlapped_s"),
+    ("hicache_engine_prefill_steps", "Forward steps with prompt tokens", "prefill_steps"),
+    ("hicache_engine_prefill_schedule_seconds", "Scheduling seconds of the steps with prompt tokens, less what "
+     "overlapped their forwards: what such a step costs besides its forward (the replay's step cost)",
+     "prefill_schedule_s"),
     ("hicache_computed_prefill_tokens", "Prompt tokens computed (not served by cache)", "prefill_tokens"),
     ("hicache_computed_decode_tokens", "Tokens decoded", "decode_tokens"),
     ("hicache_tp_plans", "Plans rank 0 sent to the other tensor-parallel ranks (0 without tensor parallelism)",
@@ -160,9 +164,6 @@ class CacheCollector:
         bandwidth.add_metric([HOST], cost.get("host_to_device_gbps") or 0)
         bandwidth.add_metric([DISK], cost.get("disk_to_device_gbps") or 0)
         yield bandwidth
-        yield GaugeMetricFamily("hicache_cost_disk_write_gbps", "L3 write bandwidth measured at startup, its sync "
-                                "included (0: unknown); for the replay's time model, not for decisions",
-                                value=cost.get("disk_write_gbps") or 0)
         first = cost.get("disk_pays_from_token", 0)
         yield GaugeMetricFamily("hicache_cost_disk_pays_from_token", "The first prompt position from which loading "
                                 "a disk page beats recomputing it (-1: none)", value=-1 if first is None else first)

@@ -263,6 +263,10 @@ def test_step_log_accounts_for_every_step(tiny, tmp_path):
     assert all(0 <= s["overlapped_ms"] <= s["schedule_ms"] for s in lines)
     overlapped = sum(s["overlapped_ms"] for s in lines)
     assert overlapped == pytest.approx(counters["overlapped_s"] * 1e3, abs=0.01 * len(lines))  # rounded per line
+    prefill = [s for s in lines if s["prefill_tokens"]]
+    assert counters["prefill_steps"] == len(prefill) >= 4  # 70 tokens in three chunks, beside the other prompts
+    own = sum(s["schedule_ms"] - s["overlapped_ms"] for s in prefill)  # what the replay adds to such a step
+    assert own == pytest.approx(counters["prefill_schedule_s"] * 1e3, abs=0.02 * len(lines))
     assert not any(s["graph"] for s in lines)  # CPU: no CUDA graphs
     assert lines[0]["waiting"] + lines[0]["running"] + lines[0]["loading"] == 3  # all queued or running at first
     assert lines[-1]["waiting"] == lines[-1]["running"] == 0 and lines[-1]["device_used_pages"] > 0

@@ -292,7 +292,7 @@ def test_calibration_from_a_servers_metrics_prices_the_replay(tmp_path: Path, ca
     from hicache.server.metrics import ServerMetrics
 
     cost = {"prefill_tokens_per_s": 20_000.0, "attention_ns_per_pair": 0.5, "host_to_device_gbps": 50.0,
-            "disk_to_device_gbps": 2.0, "disk_write_gbps": 3.0}
+            "disk_to_device_gbps": 2.0}
     metrics = tmp_path / "server.metrics"
     metrics.write_bytes(ServerMetrics(1000).render({"cost_model": cost}, None))
     rows = [mooncake(i, [1, 2, 3, 4, 5] + [100 + i] * 5, bt=40) for i in range(6)]
@@ -303,12 +303,10 @@ def test_calibration_from_a_servers_metrics_prices_the_replay(tmp_path: Path, ca
     pt = json.loads(out.read_text())["prefill_time"]
     assert pt["assumed"] == [] and pt["prefill_tokens_per_s"] == 20_000.0 and pt["attention_ns_per_pair"] == 0.5
     assert pt["host_to_device_gbps"] == 50.0 and pt["disk_to_device_gbps"] == 2.0
-    assert json.loads(out.read_text())["time"]["inputs"]["disk_write_gbps"] == 3.0  # the disk's writes, measured
     tokens = 400
     assert pt["recompute_all_s"] == pytest.approx(6 * (tokens / 20_000 + 0.5e-9 * tokens * (tokens - 1) / 2))
-    assert main([*common, "--prefill-tokens-per-s", "5000", "--disk-write-gbps", "1.5"]) == 0
+    assert main([*common, "--prefill-tokens-per-s", "5000"]) == 0
     assert json.loads(out.read_text())["prefill_time"]["prefill_tokens_per_s"] == 5000.0
-    assert json.loads(out.read_text())["time"]["inputs"]["disk_write_gbps"] == 1.5
     empty = tmp_path / "other.metrics"
     empty.write_text("# HELP up up\n# TYPE up gauge\nup 1\n")
     capsys.readouterr()

@@ -178,6 +178,15 @@ def test_the_decode_costs_come_from_a_servers_decode_only_steps(tmp_path: Path) 
     # 400 tokens at 20,000 tokens/s in one step (a chunk holds 20 blocks) with its 40 ms of scheduling, then 2
     # decode steps of one sequence at 12 ms
     assert m["duration_s"] == pytest.approx(400 / 20_000 + 0.040 + 2 * 0.012)
+    # a server that counts its prefill steps' own scheduling apart (25 ms a step): that, not the mean over all steps
+    split = {**engine, "prefill_steps": 4, "prefill_schedule_s": 0.1}
+    metrics.write_bytes(ServerMetrics(1000).render({"cost_model": {"prefill_tokens_per_s": 20_000.0},
+                                                    "engine": split}, None))
+    assert main(["replay", str(trace), "--block-tokens", "100", "--device-tokens", "1000", "--kv-bytes-per-token",
+                 "10", "--no-progress", "--json", str(out), "--calibration", str(metrics)]) == 0
+    m = json.loads(out.read_text())["time"]
+    assert m["inputs"]["step_overhead_ms"] == pytest.approx(25)
+    assert m["duration_s"] == pytest.approx(400 / 20_000 + 0.025 + 2 * 0.012)
 
 
 def test_the_context_limit_refuses_prompts_and_the_closed_loop_skips_turns_over_it() -> None:

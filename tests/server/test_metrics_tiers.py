@@ -35,14 +35,13 @@ def test_no_l3_and_no_shared_tier():
 def test_cost_model_gauges_from_its_description():
     from controller import CostModel
 
-    cost = CostModel(64, 8 << 20, "auto", 40000.0, 55e9, 2e9, 3e9, attention_seconds_per_pair=8.76e-10)
+    cost = CostModel(64, 8 << 20, "auto", 40000.0, 55e9, 2e9, attention_seconds_per_pair=8.76e-10)
     collector = CacheCollector(page_bytes=8 << 20)
     collector.stats = {"cost_model": cost.describe()}
     f = {f.name: {tuple(s.labels.values()): s.value for s in f.samples} for f in collector.collect()}
     assert f["hicache_cost_prefill_tokens_per_second"][()] == 40000.0
     assert f["hicache_cost_attention_ns_per_pair"][()] == 0.876
     assert f["hicache_cost_load_gbps"] == {("host",): 55.0, ("disk",): 2.0}
-    assert f["hicache_cost_disk_write_gbps"][()] == 3.0
     assert f["hicache_cost_disk_pays_from_token"][()] == cost.pays_from_token("disk") == 46272
     collector.stats = {}  # before the first stats snapshot
     f = {f.name: {tuple(s.labels.values()): s.value for s in f.samples} for f in collector.collect()}
