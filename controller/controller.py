@@ -307,6 +307,7 @@ class TierController:
         self.device.allocator.check_integrity(self.tree.owned_pages(DEVICE) + sorted(self.commits.private))
         self.host.allocator.check_integrity(self.tree.owned_pages(HOST) + list(self.loads.loading_host_pages())
                                             + self.eviction.landing_host_pages())
+        self.writes.check_integrity()
         ev = self.eviction
         if self.tree.pages_in[2] + ev.disk_inflight > ev.disk_capacity:
             raise AssertionError(f"disk tier holds {self.tree.pages_in[2]} + {ev.disk_inflight} pages "

@@ -105,6 +105,7 @@ class Writes:
         # included) still waiting: see the module doc
         self.waiting_disk: deque[TreeNode] = deque()
         self._waiting: dict[int, TreeNode] = {}
+        self._waiting_pages = 0  # their pages (a split moves pages between two of them: the sum stays)
         # nodes without a likely reader whose write found no spare room: written, newest first, once the disk has
         # room again (`drain_spare`, each poll), forgotten when they leave host memory (controller/reuse.py)
         self._spare: OrderedDict[int, TreeNode] = OrderedDict()
@@ -155,6 +156,7 @@ class Writes:
             if not node.on_disk and node.id not in self.transfers.writing and self.to_disk.on_evict(node):
                 self.write_to_disk(node, bounce=True)
             if self._waiting.pop(node.id, None) is not None:  # its turn in the L3 queue did not come in time
+                self._waiting_pages -= node.num_pages
                 if not node.on_disk and node.id not in self.transfers.writing:
                     self.stats.drops["l3_queue_full"] += node.num_pages
             if self._spare.pop(node.id, None) is not None and not node.on_disk \
@@ -287,7 +289,9 @@ class Writes:
                     self.stats.drops["l3_backlog"] += rest
                     return False
                 self.waiting_disk.extend(parts[i:])
-                self._waiting.update((p.id, p) for p in parts[i:])
+                for p in parts[i:]:
+                    if self._waiting.setdefault(p.id, p) is p:
+                        self._waiting_pages += p.num_pages
                 return False
             if refused is not None:  # the parts after it would be refused the same way
                 self.stats.drops[refused] += sum(p.num_pages for p in parts[i:])
@@ -362,6 +366,7 @@ class Writes:
                     continue
                 if part.removed or part.on_disk or part.id in self.transfers.writing or not part.on_host:
                     del self._waiting[part.id]
+                    self._waiting_pages -= part.num_pages
                     if part.removed and not part.on_disk:  # removed with an ancestor before its turn
                         self.stats.drops["l3_queue_full"] += part.num_pages
                     continue
@@ -371,7 +376,8 @@ class Writes:
                 refused = self._write_part(part, self._copy_in_flight(part), bounce=False)
                 if refused == "l3_queue_full":  # the worker's own queue is full after all: wait on
                     return queued
-                self._waiting.pop(part.id, None)
+                if self._waiting.pop(part.id, None) is not None:
+                    self._waiting_pages -= part.num_pages
                 if refused is not None:
                     self.stats.drops[refused] += part.num_pages
                 else:
@@ -384,11 +390,19 @@ class Writes:
         self.stats.drops["l3_queue_full"] += self.waiting_disk_pages
         self.waiting_disk.clear()
         self._waiting.clear()
+        self._waiting_pages = 0
 
     @property
     def waiting_disk_pages(self) -> int:
-        """Pages whose L3 write waits for room in the queue (still in host memory)."""
-        return sum(n.num_pages for n in self._waiting.values() if not n.removed and n.on_host and not n.on_disk)
+        """Pages whose L3 write waits for room in the queue (kept as a count: the write path asks each time it
+        queues). A waiting node leaves the count when it leaves host memory (`evicting`) or its turn comes."""
+        return self._waiting_pages
+
+    def check_integrity(self) -> None:
+        """The count of waiting pages is the sum over the waiting nodes."""
+        exact = sum(n.num_pages for n in self._waiting.values())
+        if exact != self._waiting_pages:
+            raise AssertionError(f"L3 writes waiting: {self._waiting_pages} pages counted, {exact} in the nodes")
 
     def _copy_in_flight(self, node: TreeNode) -> TransferHandle | None:
         """The GPU -> host copies that fill this node's host pages and have not landed yet, as one handle (None:
@@ -465,4 +479,6 @@ class Writes:
         while part is not None and not part.removed and not part.base and part.keys[0] in c.keys:
             if not part.on_disk:
                 self.tree.set_location(part, DISK, list(part.keys))
+            if self._waiting.pop(part.id, None) is not None:  # a part split off and queued again: written now
+                self._waiting_pages -= part.num_pages
             part = part.parent

@@ -50,13 +50,15 @@ def peak_read_rate(reads: Sequence[tuple[float, int]], block_bytes: int, window_
     }
 
 
-def disk_sizing(reuse: ReuseProfile, blocks: int, memory_blocks: int, block_bytes: int,
-                disk_blocks: int) -> dict[str, Any]:
+def disk_sizing(reuse: ReuseProfile, memory_blocks: int, block_bytes: int, disk_blocks: int) -> dict[str, Any]:
     """How much disk is worth buying, from LRU stack depths (write_through + LRU model).
 
     With every tier holding its most recent blocks, total hits at disk size D are the accesses of
-    depth <= max(D, memory); disk hits are those deeper than the memory tiers.
+    depth <= max(D, memory); disk hits are those deeper than the memory tiers. Rates are of the block accesses the
+    model saw, every request of the trace: a replay on the clock may refuse some (over the context limit), and
+    counted against the blocks it served the model's rates went past 100%.
     """
+    blocks = max(1, sum(reuse.histogram.values()))
     ideal = reuse.hits_within(1 << 62)
     memory = reuse.hits_within(memory_blocks)
 
@@ -151,7 +153,7 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
         }
     if reuse is not None:
         memory = max(setup.device_blocks, setup.host_blocks)
-        out["disk_sizing"] = disk_sizing(reuse, blocks, memory, bb, setup.disk_blocks)
+        out["disk_sizing"] = disk_sizing(reuse, memory, bb, setup.disk_blocks)
     if t.server_checked:
         out["server_check"] = {"requests": t.server_checked, "mismatches": len(t.server_mismatches),
                                "first_mismatches": [{"line": line, "server": s, "replay": r}

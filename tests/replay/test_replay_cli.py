@@ -314,3 +314,17 @@ def test_calibration_from_a_servers_metrics_prices_the_replay(tmp_path: Path, ca
     assert "no hicache_cost_* metrics" in capsys.readouterr().err
     assert main([*common[:-1], "http://127.0.0.1:1"]) == 2
     assert "cannot read the server's metrics" in capsys.readouterr().err
+
+
+def test_the_lru_model_rates_are_of_the_whole_trace_when_the_clock_refuses_prompts(tmp_path: Path) -> None:
+    """Two prompts of 10 blocks over a 20-token context limit are refused on the clock; the LRU model still saw
+    every block of the trace (26 accesses, 16 of them reuses), and its rates are of those, never above 100%."""
+    rows = [mooncake(0, [1, 2, 3]), mooncake(1, [1, 2, 3]), mooncake(2, list(range(1, 11))),
+            mooncake(3, list(range(1, 11)))]
+    trace, out = write(tmp_path / "t.jsonl", rows), tmp_path / "r.json"
+    assert main(["replay", trace, "--block-tokens", "4", "--no-progress", "--device-tokens", "64", "--host-tokens",
+                 "128", "--kv-bytes-per-token", "10", "--set", "scheduler.max_context_tokens=20",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["time"]["rejected_requests"] == 2 and r["requests"] == 2 and r["blocks"] == 6
+    assert r["disk_sizing"]["ideal_hit_rate"] == pytest.approx(16 / 26)
