@@ -24,9 +24,15 @@ class EvictionHook(Protocol):
 
     def evicting(self, tier: str, node: TreeNode) -> None: ...
 
+    def removed(self, node: TreeNode) -> None:
+        """The tree removed the node with an ancestor (an orphan: its pages are freed without an eviction)."""
+
 
 class _NoHook:
     def evicting(self, tier: str, node: TreeNode) -> None:
+        return None
+
+    def removed(self, node: TreeNode) -> None:
         return None
 
 
@@ -275,6 +281,7 @@ class Eviction:
     def free_nodes(self, nodes: Sequence[TreeNode]) -> None:
         """Free every page of nodes the tree removed, in every tier."""
         for node in nodes:
+            self.hook.removed(node)
             if node.on_device:
                 self.free_device_pages(node.device_pages)
                 self.stats.evictions[DEVICE] += node.num_pages

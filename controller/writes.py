@@ -163,6 +163,13 @@ class Writes:
                     and node.id not in self.transfers.writing:
                 self.stats.drops["not_reused"] += node.num_pages  # no spare room came in time
 
+    def removed(self, node: TreeNode) -> None:
+        """EvictionHook: a node removed with an ancestor leaves the writes waiting for the queue."""
+        if self._waiting.pop(node.id, None) is not None:
+            self._waiting_pages -= node.num_pages
+            if not node.on_disk:
+                self.stats.drops["l3_queue_full"] += node.num_pages  # removed before its turn
+
     def _host_copy_pays(self, node: TreeNode) -> bool:
         """Whether a node still on the GPU should get a host copy now (leaving the GPU, or hit again). A node
         the L3 holds gets one only in free host pages: evicting other host pages for it trades one cached copy

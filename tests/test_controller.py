@@ -1132,6 +1132,29 @@ def test_disk_bandwidth_estimate_counts_concurrent_reads_once():
     assert fixed.ctrl.cost.disk_to_device_bytes_per_s == 5e6  # configured, not measured: left alone
 
 
+def test_writes_waiting_for_the_queue_leave_it_when_the_tree_removes_them_with_an_ancestor():
+    """Six pages wait for a full L3 queue. Their prefix proves bad and is removed with its subtree: the waiting
+    pages leave the count (they were counted as waiting long after, and held back host eviction), as dropped
+    l3_queue_full, and the count still matches the waiting nodes."""
+    gated = GatedL3(32, LAYOUT.page_bytes)
+    h = Harness(device=16, host=16, l3=gated, worker=lambda store: L3Worker(store, threads=1, queue_pages=4))
+    try:
+        h.run(seq(5, 4))  # fills the queue
+        h.run(seq(6, 6))  # waits for it
+        assert h.ctrl.writes.waiting_disk_pages == 6 and not h.ctrl.stats.drops
+        h.ctrl.check_integrity()
+        top = h.ctrl.tree.match_prefix(seq(6, 6), touch=False).nodes[0]
+        h.ctrl.transfers.mark_invalid(top)
+        h.ctrl.eviction.remove_invalid()
+        assert top.removed and h.ctrl.writes.waiting_disk_pages == 0
+        assert h.ctrl.stats.drops == {"l3_queue_full": 6}
+        h.ctrl.check_integrity()
+    finally:
+        gated.gate.set()
+        h.ctrl.close()
+    assert h.ctrl.tree.pages_in[2] == 4
+
+
 class SharedReads(L3Worker):
     """An inline worker whose reads report that a write batch ran beside them (`shared`), each taking 1 s."""
 
