@@ -181,11 +181,13 @@ class TierController:
         `hold` goes on where it stopped. See Loads.prefetch."""
         if not self.loads.prefetch_enabled:
             return hold or PrefetchHold()
-        if hold is not None and hold.short and (not self.loads.prefetch_refill_ready() if hold.queue_bound
-                                                else hold.room_version == self.host_room_version):
-            return hold  # the disk's queue is still full, or nothing gave host memory back since it stopped: asking
-            # again (a match of a long prompt, an allocation that fails) costs the engine thread milliseconds a step
-            # for the same answer
+        loads = self.loads
+        if hold is not None and hold.short and (
+                not loads.prefetch_refill_ready() if hold.queue_bound
+                else hold.room_version == self.host_room_version or loads.staged_pages >= loads.staging_pages):
+            return hold  # the disk's queue is still full, nothing gave host memory back since it stopped, or the
+            # staging share is used up: asking again (a match of a long prompt, an allocation that fails) costs the
+            # engine thread milliseconds a step for the same answer
         m = self.match(tokens, namespace)
         # its prefix is about to be used again: back it up. Locked meanwhile: the room those copies make must come
         # from other pages, or an ancestor's last copy could go and take matched nodes out of the tree

@@ -189,6 +189,42 @@ def test_prefetch_reads_stuck_on_the_disk_hold_at_most_their_share_and_backups_s
     h.close()
 
 
+def test_a_prefetch_that_found_the_staging_share_used_up_asks_again_only_once_there_is_room():
+    """Two queued requests' reads fill the staging share (8 of 16 host pages) on a disk that does not answer. The
+    third request's hold stops short; I/O applied elsewhere (the room version moves) does not make it match its
+    prompt again while the share stays used up, nor does a hold given back while its reads still fill host pages;
+    those reads landing does."""
+    l3 = StuckL3(256, LAYOUT.page_bytes)
+    first = Harness(device=4, host=16, disk=256, l3=l3)
+    for b in range(1, 4):
+        first.run(seq(b, 4))
+    first.close()
+    l3.go.clear()
+    h = Harness(device=4, host=16, disk=256, l3=l3, worker=lambda store: L3Worker(store, threads=2))
+    holds = [h.ctrl.prefetch(seq(b, 4), max_pages=4) for b in range(1, 4)]
+    assert [hold.pages for hold in holds] == [4, 4, 0] and holds[2].short and not holds[2].queue_bound
+    assert h.ctrl.loads.staged_pages == h.ctrl.loads.staging_pages == 8
+    matches = []
+    match = h.ctrl.match
+    h.ctrl.match = lambda *a, **k: matches.append(1) or match(*a, **k)
+    h.ctrl.host_room_version += 1  # a completion applied
+    assert h.ctrl.prefetch(seq(3, 4), max_pages=4, hold=holds[2]) is holds[2] and not matches
+    h.ctrl.release_prefetch(holds[0])  # given back, but its reads in flight still fill 4 host pages
+    assert h.ctrl.prefetch(seq(3, 4), max_pages=4, hold=holds[2]) is holds[2] and not matches
+    l3.go.set()  # they land: 4 pages of the share back
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    assert h.ctrl.loads.staged_pages == 4
+    holds[2] = h.ctrl.prefetch(seq(3, 4), max_pages=4, hold=holds[2])
+    assert matches == [1] and holds[2].pages == 4
+    for hold in holds[1:]:
+        h.ctrl.release_prefetch(hold)
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    h.ctrl.check_integrity()
+    h.close()
+
+
 @pytest.mark.parametrize("queue_s, first", [(0.25, 3), (0.0, 8)])
 def test_prefetch_keeps_at_most_its_queue_of_seconds_on_the_disk_and_goes_on_as_reads_land(queue_s, first):
     """cache.load_policy.prefetch_queue_s: a disk that reads 10 pages a second takes 0.25 s of reads, 3 pages (the
