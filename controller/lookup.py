@@ -4,22 +4,38 @@ The tree knows what this process cached. The L3 also holds pages written before 
 pages the tree has since forgotten; their keys are the chained page hashes, so past the tree's
 match the L3 index is probed for the next pages, in growing batches (a miss ends the chain), and
 the leading hits are attached to the tree as disk-only nodes.
+
+A store only this process writes gains a page only through this tree, which then matches it: a page it did not
+hold when probed stays missing. Such misses are remembered for MISS_TTL_S, so a queued request's prompt, matched
+again and again while it waits (prefetch), asks the store about the page past its cached prefix once in that
+time, not on every match (a call to the L3 process each time, ~1 ms). The time bound covers a store that answered
+"missing" because it was unreachable for a while. A store shared with other servers (the remote tier) is always
+asked: they may have written the page since.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from controller.ports import L3
 from radix import DISK, MatchResult, RadixTree, TreeNode, page_keys
+
+MISS_TTL_S = 2.0  # how long a page a store only this process writes was found without counts as missing
+MISSES_REMEMBERED = 4096  # at most this many such pages (the oldest forgotten first)
 
 
 class Lookup:
     """Prefix matching over the tree, extended by an L3 index probe."""
 
-    def __init__(self, tree: RadixTree, l3: L3):
+    def __init__(self, tree: RadixTree, l3: L3, clock: Callable[[], float] = time.monotonic):
         self.tree = tree
         self.l3 = l3
+        self.clock = clock
+        # page key -> when the store was found without it; only where no other server writes the store
+        self._missed: OrderedDict[bytes, float] | None = \
+            OrderedDict() if getattr(l3, "shared_pages", None) is None else None
 
     def match(self, tokens: Sequence[int], base: TreeNode | None = None) -> MatchResult:
         """Longest cached prefix of tokens in the namespace rooted at `base` (default: the tree's root); marks it
@@ -35,15 +51,23 @@ class Lookup:
         ps = self.tree.page_size
         keys: list[bytes] = []
         found, batch = 0, 1
+        missed = self._missed
         while found < end - start:
             prev = keys[-1] if keys else self.tree.last_key(node)
             lo, hi = (start + found) * ps, min(start + found + batch, end) * ps
             chunk = page_keys(prev, tokens[lo:hi], ps)
+            if missed is not None and self.clock() - missed.get(chunk[0], float("-inf")) < MISS_TTL_S:
+                break  # found missing a moment ago (see the module doc)
             keys.extend(chunk)
             hits = self.l3.contains(chunk)
             run = next((i for i, h in enumerate(hits) if not h), len(hits))
             found += run
             if run < len(chunk):
+                if missed is not None:
+                    missed.pop(chunk[run], None)
+                    missed[chunk[run]] = self.clock()
+                    if len(missed) > MISSES_REMEMBERED:
+                        missed.popitem(last=False)
                 break
             batch *= 4
         if found:

@@ -1031,6 +1031,45 @@ class CountingL3(MemoryL3):
         return super().read_pages(keys, out)
 
 
+class ProbedL3(MemoryL3):
+    """MemoryL3 that counts `contains` calls (the lookup's probes past the tree's match)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.probes = 0
+
+    def contains(self, keys):
+        self.probes += 1
+        return super().contains(keys)
+
+
+class SharedProbedL3(ProbedL3):
+    """The same, written by other servers too (a remote tier behind it)."""
+
+    def shared_pages(self, keys):
+        return 0
+
+
+def test_a_page_the_store_lacks_is_asked_for_once_a_while_unless_others_write_the_store():
+    """A queued request's prompt is matched again and again; past its cached prefix the store is asked once, and
+    again once MISS_TTL_S has passed. A store other servers write is asked every time. A page the store holds
+    (written before a restart) is found on the first probe either way."""
+    from controller.lookup import MISS_TTL_S
+
+    for cls, asks in ((ProbedL3, [1, 1, 2]), (SharedProbedL3, [1, 2, 3])):
+        l3 = cls(32, LAYOUT.page_bytes)
+        Harness(l3=l3, device=4, host=8).run(seq(7, 2))  # pages 0-1 of seq 7 on the store
+        h = Harness(l3=l3, device=4, host=8)  # a restart: the tree is empty
+        l3.probes = 0
+        got = []
+        for t in (0.0, 0.5, MISS_TTL_S + 0.1):
+            h.ctrl.lookup.clock = lambda t=t: t
+            got.append(h.ctrl.match(seq(9, 3)).num_pages)  # nothing of seq 9 anywhere
+            assert l3.probes == asks[len(got) - 1], cls.__name__
+        assert got == [0, 0, 0]
+        assert h.ctrl.match(seq(7, 3)).disk_pages == 2  # found on the store, then in the tree
+
+
 def test_load_mode_never_reads_nothing_from_disk():
     """Neither a request's load nor a queued request's prefetch reads the disk in load mode "never"."""
     l3 = CountingL3(32, LAYOUT.page_bytes)
