@@ -11,9 +11,9 @@
 #   cudatests  the tests marked `cuda` (engine, kernels, tiers, pinned memory, L3 round trip), and the engine smoke run
 #              eager and with CUDA graphs (the greedy digests must agree). TESTS [tests]: narrow to some files
 #   micro      host <-> GPU page transfers against a raw pinned copy; engine prefill against a bare PyTorch stack; the
-#              L3 store against raw O_DIRECT (8 MiB pages, 32- and 128-page calls); the decode step; host pool
-#              pinning; the copy-engine queueing probe. PARTS [transfer prefill l3 decode pin copyq], PROFILE=1
-#              profiles the prefill bench
+#              L3 store against raw O_DIRECT (8 MiB pages, 32- and 128-page calls); reads and writes at once on the
+#              disk, raw and through the L3 worker; the decode step; host pool pinning; the copy-engine queueing
+#              probe. PARTS [transfer prefill l3 mixed decode pin copyq], PROFILE=1 profiles the prefill bench
 #   kernels    the Triton alignment recompile (first, in a fresh process); the prefix attention kernel's launch-shape
 #              sweep; a whole prefill step by attention path and with/without the fused elementwise kernels; cuDNN's
 #              attention; the GEMM rate; the CPU cost of queueing a forward. PARTS [align attention step cudnn gemm
@@ -155,6 +155,8 @@ micro() {
         --repeats 2 --backends posix kvikio --json "$OUT/l3_b$batch.json" 2>&1 | tee "$OUT/l3_b$batch.txt" | tail -9
     done
   fi
+  part mixed && timeout 120 python3 bench/l3_mixed.py --dir /tmp --page-bytes 8388608 --pages 256 --seconds 5 \
+    --json "$OUT/l3_mixed.json" 2>&1 | tee "$OUT/l3_mixed.txt"
   part decode && timeout 150 python3 bench/decode_bench.py --batch-sizes "${BATCHES:-1,8,32}" \
     --contexts "${CONTEXTS:-1024,8192}" --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.txt" | tail -12
   part pin && timeout 120 python3 bench/gpu/pin_bench.py --gib 16 --threads 1,8,16 --json "$OUT/pin.json" 2>&1 |
