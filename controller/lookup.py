@@ -64,8 +64,8 @@ class Lookup:
             found += run
             if run < len(chunk):
                 if missed is not None:
-                    missed.pop(chunk[run], None)
                     missed[chunk[run]] = self.clock()
+                    missed.move_to_end(chunk[run])
                     if len(missed) > MISSES_REMEMBERED:
                         missed.popitem(last=False)
                 break

@@ -155,8 +155,7 @@ class Writes:
         elif tier == HOST:
             if not node.on_disk and node.id not in self.transfers.writing and self.to_disk.on_evict(node):
                 self.write_to_disk(node, bounce=True)
-            if self._waiting.pop(node.id, None) is not None:  # its turn in the L3 queue did not come in time
-                self._waiting_pages -= node.num_pages
+            if self._unwait(node):  # its turn in the L3 queue did not come in time
                 if not node.on_disk and node.id not in self.transfers.writing:
                     self.stats.drops["l3_queue_full"] += node.num_pages
             if self._spare.pop(node.id, None) is not None and not node.on_disk \
@@ -165,10 +164,8 @@ class Writes:
 
     def removed(self, node: TreeNode) -> None:
         """EvictionHook: a node removed with an ancestor leaves the writes waiting for the queue."""
-        if self._waiting.pop(node.id, None) is not None:
-            self._waiting_pages -= node.num_pages
-            if not node.on_disk:
-                self.stats.drops["l3_queue_full"] += node.num_pages  # removed before its turn
+        if self._unwait(node) and not node.on_disk:
+            self.stats.drops["l3_queue_full"] += node.num_pages  # removed before its turn
 
     def _host_copy_pays(self, node: TreeNode) -> bool:
         """Whether a node still on the GPU should get a host copy now (leaving the GPU, or hit again). A node
@@ -372,8 +369,7 @@ class Writes:
                 if part.id not in self._waiting:
                     continue
                 if part.removed or part.on_disk or part.id in self.transfers.writing or not part.on_host:
-                    del self._waiting[part.id]
-                    self._waiting_pages -= part.num_pages
+                    self._unwait(part)
                     if part.removed and not part.on_disk:  # removed with an ancestor before its turn
                         self.stats.drops["l3_queue_full"] += part.num_pages
                     continue
@@ -383,8 +379,7 @@ class Writes:
                 refused = self._write_part(part, self._copy_in_flight(part), bounce=False)
                 if refused == "l3_queue_full":  # the worker's own queue is full after all: wait on
                     return queued
-                if self._waiting.pop(part.id, None) is not None:
-                    self._waiting_pages -= part.num_pages
+                self._unwait(part)
                 if refused is not None:
                     self.stats.drops[refused] += part.num_pages
                 else:
@@ -398,6 +393,14 @@ class Writes:
         self.waiting_disk.clear()
         self._waiting.clear()
         self._waiting_pages = 0
+
+    def _unwait(self, node: TreeNode) -> bool:
+        """Take a node out of the writes waiting for the queue (its pages out of the count); False if it was not
+        waiting."""
+        if self._waiting.pop(node.id, None) is None:
+            return False
+        self._waiting_pages -= node.num_pages
+        return True
 
     @property
     def waiting_disk_pages(self) -> int:
@@ -486,6 +489,5 @@ class Writes:
         while part is not None and not part.removed and not part.base and part.keys[0] in c.keys:
             if not part.on_disk:
                 self.tree.set_location(part, DISK, list(part.keys))
-            if self._waiting.pop(part.id, None) is not None:  # a part split off and queued again: written now
-                self._waiting_pages -= part.num_pages
+            self._unwait(part)  # a part split off and queued again: written now
             part = part.parent

@@ -135,6 +135,36 @@ class StuckL3(MemoryL3):
         return super().read_pages(keys, out)
 
 
+def stuck_prefix(pages: int, pool: int = 16) -> StuckL3:
+    """A store holding seq(1, pages), written by an earlier server with `pool`-page tiers, that has stopped
+    answering: reads of it queue and do not land until `go` is set."""
+    l3 = StuckL3(256, LAYOUT.page_bytes)
+    first_server = Harness(device=pool, host=pool, disk=256, l3=l3)
+    first_server.run(seq(1, pages))
+    first_server.close()
+    l3.go.clear()
+    return l3
+
+
+def clocked_disk(l3: StuckL3, pages_per_s: float, host: int) -> tuple[Harness, list[float]]:
+    """A server over `l3` whose cost model reads it at `pages_per_s`, on a clock the test moves (`now[0]`)."""
+    now = [0.0]
+    cost = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", prefill_tokens_per_s=1e3,
+                     host_to_device_bytes_per_s=1e12, disk_to_device_bytes_per_s=pages_per_s * LAYOUT.page_bytes,
+                     adaptive=False, overlap=True)
+    h = Harness(device=4, host=host, disk=256, l3=l3, cost=cost, worker=lambda store: L3Worker(store, threads=1))
+    h.ctrl.loads.clock = lambda: now[0]
+    return h, now
+
+
+def count_matches(h: Harness) -> list[int]:
+    """The prefix matches the controller makes from now on, one entry each."""
+    matches: list[int] = []
+    match = h.ctrl.match
+    h.ctrl.match = lambda *a, **k: matches.append(1) or match(*a, **k)
+    return matches
+
+
 @pytest.mark.parametrize("share, starved", [(0.25, False), (1.0, True)])
 def test_writes_stuck_behind_a_slow_disk_pin_at_most_their_share_of_host_memory(share, starved):
     """Every page is sent to a disk that does not answer. Within the writes' share, new pages keep finding host room
@@ -204,9 +234,7 @@ def test_a_prefetch_that_found_the_staging_share_used_up_asks_again_only_once_th
     holds = [h.ctrl.prefetch(seq(b, 4), max_pages=4) for b in range(1, 4)]
     assert [hold.pages for hold in holds] == [4, 4, 0] and holds[2].short and not holds[2].queue_bound
     assert h.ctrl.loads.staged_pages == h.ctrl.loads.staging_pages == 8
-    matches = []
-    match = h.ctrl.match
-    h.ctrl.match = lambda *a, **k: matches.append(1) or match(*a, **k)
+    matches = count_matches(h)
     h.ctrl.host_room_version += 1  # a completion applied
     assert h.ctrl.prefetch(seq(3, 4), max_pages=4, hold=holds[2]) is holds[2] and not matches
     h.ctrl.release_prefetch(holds[0])  # given back, but its reads in flight still fill 4 host pages
@@ -231,18 +259,9 @@ def test_prefetch_keeps_at_most_its_queue_of_seconds_on_the_disk_and_goes_on_as_
     deepest first), and the rest waits; once they have landed and the disk's queue has drained by the estimate, the
     next 3 go. Reads still queued at admission are mostly computed instead, so a deep queue wastes the disk.
     Unbounded (0), the prefetch takes the host pool's whole staging share (8 pages) at once."""
-    l3 = StuckL3(256, LAYOUT.page_bytes)
-    first_server = Harness(device=16, host=16, disk=256, l3=l3)
-    first_server.run(seq(1, 12))
-    first_server.close()
+    l3 = stuck_prefix(12)
     assert l3.used_pages() == 12
-    l3.go.clear()
-    now = [0.0]
-    cost = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", prefill_tokens_per_s=1e3,
-                     host_to_device_bytes_per_s=1e12, disk_to_device_bytes_per_s=10 * LAYOUT.page_bytes,
-                     adaptive=False, overlap=True)
-    h = Harness(device=4, host=16, disk=256, l3=l3, cost=cost, worker=lambda store: L3Worker(store, threads=1))
-    h.ctrl.loads.clock = lambda: now[0]
+    h, now = clocked_disk(l3, 10, host=16)
     h.ctrl.loads.prefetch_queue_s = queue_s
     hold = h.ctrl.prefetch(seq(1, 12), max_pages=12)
     assert h.ctrl.stats.prefetched_pages == first and hold.short
@@ -268,22 +287,11 @@ def test_a_prefetch_the_disk_queue_stopped_asks_again_once_a_quarter_of_the_queu
     """A disk that reads 100 pages a second holds a 0.25 s queue of 25 pages. Once that is queued the prefetch does
     not match its prompt again for the page or two each landing read frees, only for a quarter of the queue (7
     pages): the match of a long prompt each step cost the engine thread milliseconds for nothing."""
-    l3 = StuckL3(256, LAYOUT.page_bytes)
-    first_server = Harness(device=64, host=64, disk=256, l3=l3)
-    first_server.run(seq(1, 40))
-    first_server.close()
-    l3.go.clear()  # the reads queue and do not land
-    now = [0.0]
-    cost = CostModel(LAYOUT.page_size, LAYOUT.page_bytes, "auto", prefill_tokens_per_s=1e3,
-                     host_to_device_bytes_per_s=1e12, disk_to_device_bytes_per_s=100 * LAYOUT.page_bytes,
-                     adaptive=False, overlap=True)
-    h = Harness(device=4, host=128, disk=256, l3=l3, cost=cost, worker=lambda store: L3Worker(store, threads=1))
-    h.ctrl.loads.clock = lambda: now[0]
+    h, now = clocked_disk(stuck_prefix(40, pool=64), 100, host=128)  # the reads queue and do not land
+    l3 = h.l3
     h.ctrl.loads.prefetch_queue_s = 0.25  # the server's default (configs/default.yaml)
     assert h.ctrl.loads.staging_pages == 64
-    matches = []
-    match = h.ctrl.match
-    h.ctrl.match = lambda *a, **k: matches.append(1) or match(*a, **k)
+    matches = count_matches(h)
     hold = h.ctrl.prefetch(seq(1, 40), max_pages=40)
     assert h.ctrl.stats.prefetched_pages == 25 and hold.short and hold.queue_bound and len(matches) == 1
     now[0] = 0.03  # 3 pages' worth of the queue drained, and a read landed (each completion bumps the version)
