@@ -31,8 +31,11 @@ class WritePolicy:
     # disk nothing; "all": every page the write policy sends
     l3_admit: Literal["reuse", "all"] = "reuse"
     # host_to_disk: queued L3 writes pin at most this share of the host pool; further writes wait, unpinned, for
-    # their turn, so a disk slower than the stream of new pages never leaves GPU -> host copies without room
-    l3_host_share: float = 0.125
+    # their turn, so a disk slower than the stream of new pages never leaves GPU -> host copies without room.
+    # With prefetch's share (load_policy.prefetch_host_share, 0.5) a quarter of the pool stays for those copies.
+    # An eighth left too little on a disk slower than the GPU computes new pages: writes were dropped as
+    # `l3_backlog` and their pages recomputed at the next turn (bench/RESULTS.md, 'The disk adds its bandwidth')
+    l3_host_share: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("device_to_host", "host_to_disk"):

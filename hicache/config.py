@@ -157,9 +157,10 @@ class SchedulerConfig:
     launch_loads_after_forward: bool = True
     # admit and prefetch for the next step while this step's forward runs on the GPU, rather than between steps
     # while the GPU waits (Scheduler.admit_ahead). Implies launch_loads_after_forward: the loads it asks for are
-    # held and started behind that forward, waiting only for the compute queued before it. Off: on the H200 it
-    # saved ~0.1 s of 11 in the host arm, and admitting earlier leaves less time for L3 -> host prefetches
-    admit_during_forward: bool = False
+    # held and started behind that forward, waiting only for the compute queued before it. A request admitted then
+    # starts its reads a forward earlier: with an L3 on a disk the engine's idle time waiting for reads halved
+    # (bench/RESULTS.md, 'The disk adds its bandwidth')
+    admit_during_forward: bool = True
 
 
 @dataclass(frozen=True)

@@ -232,12 +232,18 @@ class Scheduler:
 
     def _admit(self, in_flight: int = 0) -> None:
         """Admit waiting requests, oldest first, while the prefill backlog is under one step's budget and their
-        pages fit the GPU pool; in_flight: tokens of the forward now running (computed, not yet advanced)."""
+        pages fit the GPU pool; in_flight: tokens of the forward now running (computed, not yet advanced).
+
+        The backlog is the running requests' prefill. A request waiting in LOADING for its prefix is not in it: the
+        GPU cannot compute any of its tokens before the reads land, so counting them would leave the GPU idle
+        behind a disk read while the queue holds work it could do (the H200's step logs showed such waits with
+        seven requests queued). The request admitted meanwhile comes after it in the plan (oldest first) once its
+        reads land; its pages still count against the pool."""
         if not self.waiting or len(self.running) + len(self.loading) >= self.max_running:
             return
         admitted = self.running + self.loading
         # tokens left to prefill (a decoding request has none: its last token is computed as it decodes)
-        backlog = sum(max(0, len(r.token_ids) - r.computed - 1) for r in admitted) - in_flight
+        backlog = sum(max(0, len(r.token_ids) - r.computed - 1) for r in self.running) - in_flight
         if backlog >= self.chunk_tokens:
             return  # a step's worth of prefill is queued already
         reserved = sum(self._pages_needed(r) for r in admitted)

@@ -291,3 +291,39 @@ def test_with_nothing_else_running_a_late_read_is_given_up_a_quarter_of_its_reco
     assert first + ids == want and out.usage.total_cached_tokens == 0
     assert_no_leaks(engine)
     engine.close()
+
+
+def test_a_request_waiting_for_its_prefix_reads_does_not_hold_the_queue(tiny, tmp_path):
+    """X is A plus 24 tokens: its 15-page prefix is on the disk only, and the reads are stuck (mode always: X waits
+    for them however long). Its 24 tokens to compute are more than a step's 16, yet they cannot start before the
+    reads land, so B (another prompt) is admitted and served meanwhile. Both outputs are those of a server that
+    recomputes."""
+    x_prompt = A + [(i * 13) % 250 + 1 for i in range(24)]
+    b_prompt = [(i * 11) % 250 + 1 for i in range(30)]
+    want = {}
+    fresh = l3_engine(tiny, tmp_path / "fresh", scheduler__chunk_tokens=16)
+    for rid, prompt in (("x", x_prompt), ("b", b_prompt)):
+        fresh.add_request(rid, prompt, GREEDY)
+        want[rid] = run_all(fresh)[rid][0]
+    fresh.close()
+    reference(tiny, tmp_path)  # A on the L3 at tmp_path / "l3"
+    engine = slow_disk_engine(tiny, tmp_path / "l3", scheduler__chunk_tokens=16, cache__load_policy__mode="always")
+    go = hold_reads(engine)
+    engine.add_request("x", x_prompt, GREEDY)
+    x = engine.requests["x"]
+    engine.add_request("b", b_prompt, GREEDY)
+    got = {"x": [], "b": []}
+    for _ in range(40):
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+        engine.cache.controller.check_integrity()
+        if engine.requests.get("b") is None:
+            break
+    assert x.status is Status.LOADING and x.cached_tokens["disk"] == 60  # still waiting for its reads
+    assert got["b"] == want["b"] and got["x"] == []  # B was served meanwhile
+    go.set()
+    for rid, (ids, _, _) in run_all(engine).items():
+        got[rid] += ids
+    assert got == want
+    assert_no_leaks(engine)
+    engine.close()

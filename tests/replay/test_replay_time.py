@@ -126,7 +126,7 @@ def test_a_prefix_on_disk_waits_for_its_read_then_its_copy() -> None:
 
 def test_hicache_replay_reports_predicted_time_and_sweeps_bandwidth(tmp_path: Path, capsys) -> None:
     """The report and --json give the predicted duration and TTFT; a sweep over the disk's bandwidth plots them, and
-    a slower disk never predicts a shorter run."""
+    the fastest disk, the only one that pays for these reads, predicts the lowest mean TTFT."""
     rows = [json.dumps({"timestamp": i * 300, "input_length": 2000, "output_length": 4,
                         "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10 + i % 3] + [100 + i] * 10}) for i in range(12)]
     trace = tmp_path / "t.jsonl"
@@ -144,8 +144,11 @@ def test_hicache_replay_reports_predicted_time_and_sweeps_bandwidth(tmp_path: Pa
     assert main([*common, "--sweep", "disk_gbps=0.1,1,10", "--json", str(out), "--plot", str(png)]) == 0
     points = json.loads(out.read_text())["points"]
     assert [p["sweep"]["disk_gbps"] for p in points] == [0.1, 1.0, 10.0]
-    durations = [p["time"]["duration_s"] for p in points]
-    assert durations[0] >= durations[1] >= durations[2]
+    # arrivals 0.3 s apart set the duration; the disk shows in the TTFT. Only the fastest disk is read from, and it
+    # gives the lowest mean. The two slower points need not be ordered: pages whose write waits for a slow disk leave
+    # host memory last, and a later request may hit them there
+    ttft = [p["time"]["ttft_s"]["mean"] for p in points]
+    assert ttft[2] < min(ttft[:2]) and [p["disk"]["pages_read"] > 0 for p in points] == [False, False, True]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main([*common, "--sweep", "disk_gbps=0,1"]) == 2
     assert main([*common, "--decode-step-ms", "-1"]) == 2
