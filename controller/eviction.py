@@ -8,7 +8,7 @@ leave their last tier are removed from the tree with their subtree, and every pa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from controller.ports import L3, Pool
@@ -89,8 +89,9 @@ class Eviction:
                                  or self._landing(node))
         else:
             skip = (lambda node: node is protect) if protect is not None else None
+        picks = _HostPicks(self.tree, self.write_pending) if tier == HOST else None
         while freed < need:
-            node, interior = (self._pick_host(skip, groups) if tier == HOST
+            node, interior = (picks.next(skip, groups) if picks is not None
                               else (self.tree.pop_evictable(tier, skip, groups), False))
             if node is None and groups is not None and not strict:
                 groups = None  # the groups over their share have nothing left to give: any group's, by priority
@@ -107,22 +108,6 @@ class Eviction:
         pages = node.host_pages
         handle = self.transfers.host_fills.get(pages[-1]) if pages else None
         return handle is not None and not handle.done()
-
-    def _pick_host(self, skip: Any, groups: list[int] | None = None) -> tuple[TreeNode | None, bool]:
-        """The next host copy to evict, and whether it is an interior one: the lowest-priority leaf whose L3 write
-        is not pending; else a host copy above held ones that L3 has (radix.tree); else any leaf, even one whose
-        write waits for the queue (it is dropped). Under write pressure the host tier is full of new pages
-        waiting for the disk and of the prefixes above them: dropping the new pages while copies of bytes that
-        L3 holds stayed lost them for good, and the engine then waited for their GPU -> host copies to land."""
-        pending = self.write_pending
-        node = self.tree.pop_evictable(HOST, lambda n: skip(n) or pending(n), groups)
-        if node is not None:
-            return node, False
-        outside = (lambda n: skip(n) or n.group not in groups) if groups is not None else skip
-        node = self.tree.pop_evictable_interior(outside)
-        if node is not None:
-            return node, True
-        return self.tree.pop_evictable(HOST, skip, groups), False
 
     def _tail(self, node: TreeNode, pages: int) -> TreeNode:
         """The last `pages` pages of node as their own node (split off), or node if it is no larger.
@@ -302,3 +287,43 @@ class Eviction:
             self.transfers.forget(node)
             if not node.removed:
                 self.free_nodes(self.tree.remove_subtree(node))
+
+
+class _HostPicks:
+    """The host copies one eviction takes, in turn: the lowest-priority leaf whose L3 write is not pending; else a
+    host copy above held ones that L3 has (radix.tree); else any leaf, even one whose write waits for the queue (it
+    is dropped). Under write pressure the host tier is full of new pages waiting for the disk and of the prefixes
+    above them: dropping the new pages while copies of bytes that L3 holds stayed lost them for good, and the engine
+    then waited for their GPU -> host copies to land.
+
+    The copies above held ones come from one scan of the host nodes per eviction (`RadixTree.evictable_interiors`),
+    not one per node taken: an eviction that frees a step's pages takes dozens of small nodes, and a scan each
+    was most of the engine thread's scheduling time with an L3 (bench/RESULTS.md, 'The disk adds its bandwidth').
+    Before the last resort (a pending write's leaf) the host nodes are scanned once more, for a node that became a
+    candidate meanwhile."""
+
+    def __init__(self, tree: RadixTree, write_pending: Callable[[TreeNode], bool]):
+        self.tree = tree
+        self.pending = write_pending
+        self._interiors: Iterator[TreeNode] | None = None
+        self._groups: list[int] | None = None
+
+    def next(self, skip: Callable[[TreeNode], bool] | None,
+             groups: list[int] | None = None) -> tuple[TreeNode | None, bool]:
+        """(node, whether it is an interior host copy), or (None, False) when nothing may go."""
+        pending = self.pending
+        node = self.tree.pop_evictable(HOST, lambda n: (skip is not None and skip(n)) or pending(n), groups)
+        if node is not None:
+            return node, False
+        for rescan in (False, True):
+            if self._interiors is None or rescan or groups != self._groups:
+                outside = ((lambda n: (skip is not None and skip(n)) or n.group not in groups) if groups is not None
+                           else skip)
+                self._interiors, self._groups = self.tree.evictable_interiors(outside), groups
+                rescan = True
+            node = next(self._interiors, None)
+            if node is not None:
+                return node, True
+            if rescan:
+                break
+        return self.tree.pop_evictable(HOST, skip, groups), False

@@ -400,22 +400,33 @@ class RadixTree:
 
     def pop_evictable_interior(self, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
         """The lowest-priority host copy that may go although children stay in host memory or descendants are
-        pinned (see the module doc): a node in host memory and in L3, not locked there and with no pin of its
-        own. The node is not modified (the caller then calls clear_location with interior=True). O(host nodes):
-        the fallback of an eviction that found no leaf."""
-        best, best_prio = None, None
+        pinned (see the module doc), or None: the first of `evictable_interiors`."""
+        return next(self.evictable_interiors(skip), None)
+
+    def evictable_interiors(self, skip: Callable[[TreeNode], bool] | None = None) -> Iterator[TreeNode]:
+        """Host copies that may go although children stay in host memory or descendants are pinned (see the module
+        doc), lowest priority first (ties: the oldest node): nodes in host memory and in L3, not locked there and
+        with no pin of their own, for which `skip` is false. The fallback of an eviction that found no leaf.
+
+        One scan of the host nodes, sorted; each node is checked again when its turn comes, so the caller may evict
+        between items: evicting host copies takes candidates away and adds none. A caller that pins pages meanwhile
+        may make a node above them a candidate the scan missed: scan again before concluding there is none. Nodes
+        are split only by evicting their tail, which needs no further candidate. `skip` (the controller's may ask
+        the GPU whether a copy landed) runs only for the node whose turn it is."""
+        found = []
         seen: set[int] = set()
         priority = self.priorities[_HOST]
         for leaf in self._leaves[_HOST]:
             node = leaf  # a leaf qualifies only with pinned descendants (else it is an ordinary leaf)
             while node is not self.root and node.loc[_HOST] is not None and node.id not in seen:
                 seen.add(node.id)
-                if self._interior_may_leave(node) and (skip is None or not skip(node)):
-                    prio = priority(node)  # ties go to the oldest node, whatever order the set holds them in
-                    if best is None or prio < best_prio or (prio == best_prio and node.id < best.id):
-                        best, best_prio = node, prio
+                if self._interior_may_leave(node):
+                    found.append((priority(node), node.id, node))
                 node = node.parent
-        return best
+        found.sort(key=lambda entry: (entry[0], entry[1]))
+        for _, _, node in found:
+            if node.loc[_HOST] is not None and self._interior_may_leave(node) and (skip is None or not skip(node)):
+                yield node
 
     @staticmethod
     def own_pins(node: TreeNode) -> int:
@@ -424,7 +435,8 @@ class RadixTree:
 
     def _interior_may_leave(self, node: TreeNode) -> bool:
         return (node.loc[_DISK] is not None and (node.tier_children[_HOST] > 0 or node.pin_ref > 0)
-                and not (node.lock_ref > 0 and node.loc[_DEVICE] is None) and self.own_pins(node) == 0)
+                and not (node.lock_ref > 0 and node.loc[_DEVICE] is None)
+                and (node.pin_ref == 0 or self.own_pins(node) == 0))  # pin_ref counts own pins and the children's
 
     @staticmethod
     def _held(node: TreeNode, ti: int) -> bool:

@@ -163,6 +163,35 @@ def test_a_host_copy_above_a_pinned_page_may_go_when_l3_holds_it():
     tree.check_integrity()
 
 
+def test_host_copies_above_pinned_pages_come_lowest_priority_first_and_are_checked_on_their_turn():
+    """Three prefixes in host memory and L3, each above a pinned host page: one scan orders them by priority (the
+    least recently used first), `skip` is asked only of the node whose turn it is, and a node that gained a pin of
+    its own after the scan is passed over when its turn comes."""
+    tree = RadixTree(1)
+    parents = []
+    for i in range(3):
+        tree.insert([i + 1], [2 * i])
+        tree.insert([i + 1, 50 + i], [2 * i, 2 * i + 1])
+        leaf = tree.match_prefix([i + 1, 50 + i], touch=False).last_node
+        tree.set_location(leaf.parent, HOST, [10 + 2 * i])
+        tree.set_location(leaf.parent, DISK, list(leaf.parent.keys))
+        tree.set_location(leaf, HOST, [11 + 2 * i])
+        tree.pin(leaf)  # an L3 write reads it
+        parents.append(leaf.parent)
+    for i in (1, 0, 2):
+        tree.match_prefix([i + 1, 50 + i])  # touched in this order: 1 is the least recently used
+    asked = []
+    scan = tree.evictable_interiors(skip=lambda n: asked.append(n) or False)
+    assert next(scan) is parents[1] and asked == [parents[1]]
+    tree.clear_location(parents[1], HOST, interior=True)  # the caller evicts between items
+    tree.pin(parents[0])  # a pin of its own (a prefetch) holds it now
+    assert list(scan) == [parents[2]] and asked == [parents[1], parents[2]]
+    assert tree.pop_evictable_interior(skip=lambda n: n is parents[2]) is None
+    tree.unpin(parents[0])
+    assert [n.id for n in tree.evictable_interiors()] == [parents[0].id, parents[2].id]
+    tree.check_integrity()
+
+
 def test_a_host_leaf_above_a_pinned_page_reading_from_disk_may_go_when_l3_holds_it():
     """A prefetch pins pages still reading from disk (not yet in host memory) below a prefix that is: that prefix's
     host copy is a leaf of the host tier held only by its descendants' pins. Where L3 holds it too it may go
@@ -314,3 +343,39 @@ def test_lrfu_ranks_the_disk_by_recency():
 def test_lrfu_rejects_a_bad_half_life():
     with pytest.raises(ValueError, match="half_life"):
         RadixTree(4, eviction_policy="lrfu", half_life=0)
+
+
+def test_one_eviction_scans_the_host_nodes_once_and_again_only_before_its_last_resort():
+    """The host copies one eviction takes (controller.eviction._HostPicks): the copies above pinned pages in
+    priority order from a single scan; when none is left, one more scan before the last resort, a leaf whose L3
+    write waits (it is dropped)."""
+    from controller.eviction import _HostPicks
+
+    tree = RadixTree(1)
+    parents, leaves = [], []
+    for i in range(3):
+        tree.insert([i + 1], [2 * i])
+        tree.insert([i + 1, 50 + i], [2 * i, 2 * i + 1])
+        leaf = tree.match_prefix([i + 1, 50 + i], touch=False).last_node
+        tree.set_location(leaf.parent, HOST, [10 + 2 * i])
+        tree.set_location(leaf.parent, DISK, list(leaf.parent.keys))
+        tree.set_location(leaf, HOST, [11 + 2 * i])
+        tree.pin(leaf)
+        parents.append(leaf.parent)
+        leaves.append(leaf)
+    scans = []
+    real = tree.evictable_interiors
+    tree.evictable_interiors = lambda skip=None: scans.append(1) or real(skip)
+    waiting = {leaves[2].id}  # its L3 write waits for the queue
+    picks = _HostPicks(tree, lambda n: n.id in waiting)
+    taken = []
+    for _ in range(3):
+        node, interior = picks.next(None)
+        assert interior
+        taken.append(node)
+        tree.clear_location(node, HOST, interior=True)
+    assert taken == parents and len(scans) == 1  # oldest first (insertion order), one scan for all three
+    tree.unpin(leaves[2])  # its pin dropped: the leaf is evictable, but its write waits
+    node, interior = picks.next(None)
+    assert (node, interior) == (leaves[2], False) and len(scans) == 2  # the first scan ran out: one more
+    tree.check_integrity()
