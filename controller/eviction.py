@@ -8,7 +8,7 @@ leave their last tier are removed from the tree with their subtree, and every pa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from controller.ports import L3, Pool
@@ -52,6 +52,9 @@ class Eviction:
         self.hook: EvictionHook = _NoHook()
         # whether a host node's L3 write is pending (waiting for the queue): it leaves host memory last (Writes)
         self.write_pending: Callable[[TreeNode], bool] = lambda node: False
+        # every such node; one left out of the host eviction order goes back in when its write stops waiting
+        # (`RadixTree.requeue`, the write mechanism's business)
+        self.pending_nodes: Callable[[], Iterable[TreeNode]] = lambda: ()
         self.landing: list[tuple[Any, list[int]]] = []  # (copy, host pages) freed while that copy still lands
 
     def allocate(self, tier: str, n: int, protect: TreeNode | None = None, group: int | None = None,
@@ -89,16 +92,20 @@ class Eviction:
                                  or self._landing(node))
         else:
             skip = (lambda node: node is protect) if protect is not None else None
-        picks = _HostPicks(self.tree, self.write_pending) if tier == HOST else None
-        while freed < need:
-            node, interior = (picks.next(skip, groups) if picks is not None
-                              else (self.tree.pop_evictable(tier, skip, groups), False))
-            if node is None and groups is not None and not strict:
-                groups = None  # the groups over their share have nothing left to give: any group's, by priority
-                continue
-            if node is None:
-                break
-            freed += self.evict_node(tier, self._tail(node, need - freed), interior)
+        picks = _HostPicks(self.tree, self.write_pending, self.pending_nodes) if tier == HOST else None
+        try:
+            while freed < need:
+                node, interior = (picks.next(skip, groups) if picks is not None
+                                  else (self.tree.pop_evictable(tier, skip, groups), False))
+                if node is None and groups is not None and not strict:
+                    groups = None  # the groups over their share have nothing left to give: any group's, by priority
+                    continue
+                if node is None:
+                    break
+                freed += self.evict_node(tier, self._tail(node, need - freed), interior)
+        finally:
+            if picks is not None:
+                picks.done()
         return freed
 
     def _landing(self, node: TreeNode) -> bool:
@@ -300,19 +307,33 @@ class _HostPicks:
     not one per node taken: an eviction that frees a step's pages takes dozens of small nodes, and a scan each
     was most of the engine thread's scheduling time with an L3 (bench/RESULTS.md, 'The disk adds its bandwidth').
     Before the last resort (a pending write's leaf) the host nodes are scanned once more, for a node that became a
-    candidate meanwhile."""
+    candidate meanwhile. Likewise the leaves passed over are not popped and pushed back at each node taken: those
+    with a copy still landing in them are set aside for the eviction, and those whose L3 write waits stay out of
+    the host order until it stops waiting (the write mechanism requeues them) or the last resort needs them. With
+    thousands of writes waiting for a slow disk, popping them at every eviction was most of a replay's time."""
 
-    def __init__(self, tree: RadixTree, write_pending: Callable[[TreeNode], bool]):
+    def __init__(self, tree: RadixTree, write_pending: Callable[[TreeNode], bool],
+                 pending_nodes: Callable[[], Iterable[TreeNode]]):
         self.tree = tree
         self.pending = write_pending
+        self.pending_nodes = pending_nodes
         self._interiors: Iterator[TreeNode] | None = None
         self._groups: list[int] | None = None
+        self._passed: list[TreeNode] = []  # leaves passed over, out of the host order until `done`
+
+    def done(self) -> None:
+        """The eviction is over: the leaves passed over go back into the host order, but those whose write still
+        waits."""
+        pending = self.pending
+        self._passed[:] = [n for n in self._passed if not pending(n)]
+        self.tree.restore_evictable(HOST, self._passed)
 
     def next(self, skip: Callable[[TreeNode], bool] | None,
              groups: list[int] | None = None) -> tuple[TreeNode | None, bool]:
         """(node, whether it is an interior host copy), or (None, False) when nothing may go."""
         pending = self.pending
-        node = self.tree.pop_evictable(HOST, lambda n: (skip is not None and skip(n)) or pending(n), groups)
+        node = self.tree.pop_evictable(HOST, lambda n: (skip is not None and skip(n)) or pending(n), groups,
+                                       self._passed)
         if node is not None:
             return node, False
         for rescan in (False, True):
@@ -326,4 +347,7 @@ class _HostPicks:
                 return node, True
             if rescan:
                 break
+        self.done()
+        for node in self.pending_nodes():  # the last resort may take a leaf whose write waits: all back in the order
+            self.tree.requeue(node)
         return self.tree.pop_evictable(HOST, skip, groups), False

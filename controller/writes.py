@@ -113,6 +113,7 @@ class Writes:
         tree.split_listeners.append(self._split)
         eviction.hook = self
         eviction.write_pending = lambda node: node.id in self._waiting
+        eviction.pending_nodes = lambda: list(self._waiting.values())
         # which pages the L3 takes: those likely to be read again (WritePolicy.l3_admit)
         self.reuse = reuse if reuse is not None else ReuseFilter("all")
 
@@ -391,8 +392,11 @@ class Writes:
         """Give up the waiting writes (shutdown, the queue making no progress), counted as l3_queue_full."""
         self.stats.drops["l3_queue_full"] += self.waiting_disk_pages
         self.waiting_disk.clear()
-        self._waiting.clear()
+        waited, self._waiting = list(self._waiting.values()), {}
         self._waiting_pages = 0
+        for node in waited:
+            if not node.removed:
+                self.tree.requeue(node)
 
     def _unwait(self, node: TreeNode) -> bool:
         """Take a node out of the writes waiting for the queue (its pages out of the count); False if it was not
@@ -400,6 +404,8 @@ class Writes:
         if self._waiting.pop(node.id, None) is None:
             return False
         self._waiting_pages -= node.num_pages
+        if not node.removed:
+            self.tree.requeue(node)  # host eviction may have left it out of its order while it waited
         return True
 
     @property

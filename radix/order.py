@@ -82,39 +82,49 @@ class EvictionOrder:
         return (over or None), strict
 
     def pop(self, ti: int, held: Callable[[Node, int], bool], skip: Callable[[Node], bool] | None,
-            groups: list[int] | None = None) -> Node | None:
+            groups: list[int] | None = None, passed: list[Node] | None = None) -> Node | None:
         """The leaf of tier ti to evict next, never one `held` or `skip`ped: from `groups` only where given, else
         from the groups over their quota if one of them has one, else from any group. The node stays a candidate
-        (the caller clears its location)."""
+        (the caller clears its location). Skipped leaves go back into the heap, or, given `passed`, into that list:
+        a caller that pops again and again with the same `skip` (one eviction taking many nodes) then does not pop
+        them each time, and gives them back with `restore` when done."""
         if groups is not None:
-            return self._pick(ti, groups, held, skip)
+            return self._pick(ti, groups, held, skip, passed)
         if not self.quotas[ti] and len(self.heaps[ti]) == 1:  # one group, no quotas: its heap alone
-            entry = self._top(ti, next(iter(self.heaps[ti])), held, skip)
+            entry = self._top(ti, next(iter(self.heaps[ti])), held, skip, passed)
             return None if entry is None else entry[1]
         over = self.over_quota(ti) if self.quotas[ti] else ()
         if over:
-            found = self._pick(ti, over, held, skip)
+            found = self._pick(ti, over, held, skip, passed)
             if found is not None:
                 return found
-        return self._pick(ti, list(self.heaps[ti]), held, skip)
+        return self._pick(ti, list(self.heaps[ti]), held, skip, passed)
+
+    def restore(self, ti: int, nodes: list[Node]) -> None:
+        """Put leaves that `pop` set aside (its `passed`) back into tier ti's order."""
+        leaves = self.leaves[ti]
+        for node in nodes:
+            if node in leaves:
+                self.push(ti, node)
+        nodes.clear()
 
     def _pick(self, ti: int, groups: Iterable[int], held: Callable[[Node, int], bool],
-              skip: Callable[[Node], bool] | None) -> Node | None:
+              skip: Callable[[Node], bool] | None, passed: list[Node] | None) -> Node | None:
         best, best_prio = None, None
         for group in groups:
-            entry = self._top(ti, group, held, skip)
+            entry = self._top(ti, group, held, skip, passed)
             if entry is not None and (best is None or entry[0] < best_prio):
                 best_prio, best = entry
         return best
 
     def _top(self, ti: int, group: int, held: Callable[[Node, int], bool],
-             skip: Callable[[Node], bool] | None) -> tuple[Any, Node] | None:
+             skip: Callable[[Node], bool] | None, passed: list[Node] | None) -> tuple[Any, Node] | None:
         """The group's lowest-priority leaf that may go (left in its heap), and its priority."""
         heap = self.heaps[ti].get(group)
         if not heap:
             return None
         leaves, priority = self.leaves[ti], self.priorities[ti]
-        passed = []
+        skipped = [] if passed is None else passed
         found = None
         while heap:
             prio, _, node = heap[0]
@@ -122,10 +132,11 @@ class EvictionOrder:
                 if skip is None or not skip(node):
                     found = (prio, node)  # left at the top: it stays a candidate until cleared
                     break
-                passed.append(node)
+                skipped.append(node)
             # else a stale entry; locked and pinned nodes are pushed again on unlock / unpin
             heapq.heappop(heap)
             self._entries[ti] -= 1
-        for node in passed:
-            self.push(ti, node)
+        if passed is None:
+            for node in skipped:
+                self.push(ti, node)
         return found

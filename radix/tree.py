@@ -389,14 +389,24 @@ class RadixTree:
         return self.order.victims(_TIER_INDEX[tier], group, incoming)
 
     def pop_evictable(self, tier: str, skip: Callable[[TreeNode], bool] | None = None,
-                      groups: list[int] | None = None) -> TreeNode | None:
+                      groups: list[int] | None = None, passed: list[TreeNode] | None = None) -> TreeNode | None:
         """The lowest-priority unlocked leaf of `tier` (no child resident in `tier`), or None: of share `groups`
         only where given; else, with quotas, from the groups over theirs first (radix.order).
 
         The node is not modified: the caller moves or drops its pages, then calls clear_location.
-        Nodes for which `skip(node)` is true are passed over.
+        Nodes for which `skip(node)` is true are passed over; given `passed`, they are set aside there until
+        `restore_evictable` (radix.order.EvictionOrder.pop).
         """
-        return self.order.pop(_TIER_INDEX[tier], self._held, skip, groups)
+        return self.order.pop(_TIER_INDEX[tier], self._held, skip, groups, passed)
+
+    def restore_evictable(self, tier: str, passed: list[TreeNode]) -> None:
+        """Give back the leaves `pop_evictable` set aside in `passed`."""
+        self.order.restore(_TIER_INDEX[tier], passed)
+
+    def requeue(self, node: TreeNode) -> None:
+        """Put node back into the eviction order of the tiers where it is a leaf: a caller that left it out
+        (`pop_evictable`'s `passed`) because of a state of its own that has now ended."""
+        self.order.refresh(node)
 
     def pop_evictable_interior(self, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
         """The lowest-priority host copy that may go although children stay in host memory or descendants are

@@ -348,7 +348,7 @@ def test_lrfu_rejects_a_bad_half_life():
 def test_one_eviction_scans_the_host_nodes_once_and_again_only_before_its_last_resort():
     """The host copies one eviction takes (controller.eviction._HostPicks): the copies above pinned pages in
     priority order from a single scan; when none is left, one more scan before the last resort, a leaf whose L3
-    write waits (it is dropped)."""
+    write waits (it is dropped). Such a leaf, passed over, stays out of the host order until it is requeued."""
     from controller.eviction import _HostPicks
 
     tree = RadixTree(1)
@@ -367,7 +367,7 @@ def test_one_eviction_scans_the_host_nodes_once_and_again_only_before_its_last_r
     real = tree.evictable_interiors
     tree.evictable_interiors = lambda skip=None: scans.append(1) or real(skip)
     waiting = {leaves[2].id}  # its L3 write waits for the queue
-    picks = _HostPicks(tree, lambda n: n.id in waiting)
+    picks = _HostPicks(tree, lambda n: n.id in waiting, lambda: [n for n in leaves if n.id in waiting])
     taken = []
     for _ in range(3):
         node, interior = picks.next(None)
@@ -378,4 +378,14 @@ def test_one_eviction_scans_the_host_nodes_once_and_again_only_before_its_last_r
     tree.unpin(leaves[2])  # its pin dropped: the leaf is evictable, but its write waits
     node, interior = picks.next(None)
     assert (node, interior) == (leaves[2], False) and len(scans) == 2  # the first scan ran out: one more
+    picks.done()
+    # an eviction that passes over a leaf whose write waits leaves it out of the host order, until it is requeued
+    in_order = lambda n: any(entry[2] is n for heap in tree.order.heaps[1].values() for entry in heap)  # noqa: E731
+    other = _HostPicks(tree, lambda n: n.id in waiting, lambda: [])
+    assert other.next(None) == (None, False)
+    other.done()
+    assert not in_order(leaves[2]) and leaves[2] in tree.order.leaves[1]
+    waiting.clear()
+    tree.requeue(leaves[2])
+    assert in_order(leaves[2]) and tree.pop_evictable(HOST) is leaves[2]
     tree.check_integrity()
