@@ -26,6 +26,7 @@ class TreeNode:
         "tier_children",
         "lock_ref",
         "pin_ref",
+        "own_pins",
         "last_access",
         "hit_count",
         "frequency",
@@ -48,6 +49,7 @@ class TreeNode:
         self.tier_children = [0, 0, 0]  # children resident in each tier
         self.lock_ref = 0
         self.pin_ref = 0  # host pins (L3 writes in flight), counted along the path
+        self.own_pins = 0  # of those, the pins of this node's own pages (RadixTree.pin(self))
         self.last_access = 0
         self.hit_count = 0
         self.frequency = 0.0  # references, decayed to last_access (the "lrfu" policy); see RadixTree.touch

@@ -80,6 +80,9 @@ class RadixTree:
         self.root: NamespaceRoot = NamespaceRoot(None, None, namespace, 0)
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
+        # nodes with a copy both in host memory and in L3, the only ones whose host copy may leave above held pages
+        # (`evictable_interiors` looks among them alone)
+        self._host_disk: dict[int, TreeNode] = {}
         self.pages_in = [0, 0, 0]  # pages resident per tier
         self.order = EvictionOrder(self.priorities)
         self._leaves = self.order.leaves  # evictable-leaf candidates per tier
@@ -241,6 +244,8 @@ class RadixTree:
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
         mid.frequency = child.frequency
+        if child.id in self._host_disk:
+            self._host_disk[mid.id] = mid
         child.tokens = child.tokens[k * ps :]
         child.keys = child.keys[k:]
         child.num_pages = len(child.keys)
@@ -266,6 +271,8 @@ class RadixTree:
 
     def _set_loc(self, node: TreeNode, ti: int, pages: list[Any]) -> None:
         node.loc[ti] = pages
+        if ti != _DEVICE and node.loc[_HOST] is not None and node.loc[_DISK] is not None:
+            self._host_disk[node.id] = node
         self.pages_in[ti] += len(pages)
         self.order.group_pages[ti][node.group] += len(pages)
         parent = node.parent
@@ -308,6 +315,8 @@ class RadixTree:
         pages = node.loc[ti]
         assert pages is not None
         node.loc[ti] = None
+        if ti != _DEVICE:
+            self._host_disk.pop(node.id, None)
         self.pages_in[ti] -= len(pages)
         self.order.group_pages[ti][node.group] -= len(pages)
         self._leaves[ti].discard(node)
@@ -359,6 +368,7 @@ class RadixTree:
             if n.lock_ref > 0 or n.pin_ref > 0:
                 raise AssertionError(f"locked {n} below unlocked {node}")  # locks count along the path
             removed.append(n)
+            self._host_disk.pop(n.id, None)
             for ti, pages in enumerate(n.loc):
                 if pages is not None:
                     self.pages_in[ti] -= len(pages)
@@ -423,16 +433,9 @@ class RadixTree:
         may make a node above them a candidate the scan missed: scan again before concluding there is none. Nodes
         are split only by evicting their tail, which needs no further candidate. `skip` (the controller's may ask
         the GPU whether a copy landed) runs only for the node whose turn it is."""
-        found = []
-        seen: set[int] = set()
-        priority = self.priorities[_HOST]
-        for leaf in self._leaves[_HOST]:
-            node = leaf  # a leaf qualifies only with pinned descendants (else it is an ordinary leaf)
-            while node is not self.root and node.loc[_HOST] is not None and node.id not in seen:
-                seen.add(node.id)
-                if self._interior_may_leave(node):
-                    found.append((priority(node), node.id, node))
-                node = node.parent
+        priority, may_leave = self.priorities[_HOST], self._interior_may_leave
+        # a leaf qualifies only with pinned descendants (else it is an ordinary leaf)
+        found = [(priority(node), node.id, node) for node in self._host_disk.values() if may_leave(node)]
         found.sort(key=lambda entry: (entry[0], entry[1]))
         for _, _, node in found:
             if node.loc[_HOST] is not None and self._interior_may_leave(node) and (skip is None or not skip(node)):
@@ -441,12 +444,12 @@ class RadixTree:
     @staticmethod
     def own_pins(node: TreeNode) -> int:
         """Pins of the node's own pages (pin_ref counts its descendants' too)."""
-        return node.pin_ref - sum(c.pin_ref for c in node.children.values())
+        return node.own_pins
 
     def _interior_may_leave(self, node: TreeNode) -> bool:
         return (node.loc[_DISK] is not None and (node.tier_children[_HOST] > 0 or node.pin_ref > 0)
                 and not (node.lock_ref > 0 and node.loc[_DEVICE] is None)
-                and (node.pin_ref == 0 or self.own_pins(node) == 0))  # pin_ref counts own pins and the children's
+                and node.own_pins == 0)
 
     @staticmethod
     def _held(node: TreeNode, ti: int) -> bool:
@@ -480,6 +483,7 @@ class RadixTree:
 
     def pin(self, node: TreeNode) -> None:
         """Keep `node` and its ancestors in host memory and in the tree (see the module doc)."""
+        node.own_pins += 1
         walk: TreeNode | None = node
         while walk is not None:
             walk.pin_ref += 1
@@ -487,6 +491,9 @@ class RadixTree:
 
     def unpin(self, node: TreeNode) -> None:
         """Undo one `pin(node)`."""
+        if node.own_pins <= 0:
+            raise ValueError(f"unpin of unpinned {node}")
+        node.own_pins -= 1
         walk: TreeNode | None = node
         while walk is not None:
             if walk.pin_ref <= 0:
