@@ -303,13 +303,13 @@ class _HostPicks:
     above them: dropping the new pages while copies of bytes that L3 holds stayed lost them for good, and the engine
     then waited for their GPU -> host copies to land.
 
-    The copies above held ones come from one scan of the host nodes per eviction (`RadixTree.evictable_interiors`),
-    not one per node taken: an eviction that frees a step's pages takes dozens of small nodes, and a scan each
-    was most of the engine thread's scheduling time with an L3 (bench/RESULTS.md, 'The disk adds its bandwidth').
-    Before the last resort (a pending write's leaf) the host nodes are scanned once more, for a node that became a
-    candidate meanwhile. Likewise the leaves passed over are not popped and pushed back at each node taken: those
-    with a copy still landing in them are set aside for the eviction, and those whose L3 write waits stay out of
-    the host order until it stops waiting (the write mechanism requeues them) or the last resort needs them. With
+    The copies above held ones come from one iteration of `RadixTree.evictable_interiors` per eviction, not one per
+    node taken: an eviction that frees a step's pages takes dozens of small nodes, and a scan of the host nodes for
+    each was most of the engine thread's scheduling time with an L3 (bench/RESULTS.md, 'The disk adds its
+    bandwidth'). Before the last resort (a pending write's leaf) a fresh iteration looks once more, for a node that
+    became a candidate meanwhile. Likewise the leaves passed over are not popped and pushed back at each node taken:
+    those with a copy still landing in them are set aside for the eviction, and those whose L3 write waits stay out
+    of the host order until it stops waiting (the write mechanism requeues them) or the last resort needs them. With
     thousands of writes waiting for a slow disk, popping them at every eviction was most of a replay's time."""
 
     def __init__(self, tree: RadixTree, write_pending: Callable[[TreeNode], bool],

@@ -27,6 +27,7 @@ Invariants (checked by `check_integrity`):
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -81,8 +82,12 @@ class RadixTree:
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
         # nodes with a copy both in host memory and in L3, the only ones whose host copy may leave above held pages
-        # (`evictable_interiors` looks among them alone)
+        # (`evictable_interiors` looks among them alone), and a heap of them by host priority. An entry is pushed when
+        # its node enters the index and is stale once the node left it. A node's priority only grows (every policy's
+        # key: radix.policy), so an entry whose priority is behind its node's is moved down when it comes up
         self._host_disk: dict[int, TreeNode] = {}
+        self._host_disk_heap: list[tuple[Any, int, int, TreeNode]] = []
+        self._host_disk_seq = itertools.count()
         self.pages_in = [0, 0, 0]  # pages resident per tier
         self.order = EvictionOrder(self.priorities)
         self._leaves = self.order.leaves  # evictable-leaf candidates per tier
@@ -245,7 +250,7 @@ class RadixTree:
         mid.hit_count = child.hit_count
         mid.frequency = child.frequency
         if child.id in self._host_disk:
-            self._host_disk[mid.id] = mid
+            self._index_host_disk(mid)
         child.tokens = child.tokens[k * ps :]
         child.keys = child.keys[k:]
         child.num_pages = len(child.keys)
@@ -272,7 +277,7 @@ class RadixTree:
     def _set_loc(self, node: TreeNode, ti: int, pages: list[Any]) -> None:
         node.loc[ti] = pages
         if ti != _DEVICE and node.loc[_HOST] is not None and node.loc[_DISK] is not None:
-            self._host_disk[node.id] = node
+            self._index_host_disk(node)
         self.pages_in[ti] += len(pages)
         self.order.group_pages[ti][node.group] += len(pages)
         parent = node.parent
@@ -384,6 +389,16 @@ class RadixTree:
     def _refresh(self, node: TreeNode) -> None:
         self.order.refresh(node)
 
+    def _index_host_disk(self, node: TreeNode) -> None:
+        self._host_disk[node.id] = node
+        heap = self._host_disk_heap
+        if len(heap) > 4 * len(self._host_disk) + 1024:  # mostly stale entries: rebuild from the index
+            priority = self.priorities[_HOST]
+            heap[:] = [(priority(n), n.id, next(self._host_disk_seq), n) for n in self._host_disk.values()]
+            heapq.heapify(heap)
+        else:
+            heapq.heappush(heap, (self.priorities[_HOST](node), node.id, next(self._host_disk_seq), node))
+
     def set_quotas(self, tier: str, quotas: dict[int, int]) -> None:
         """Pages each share group may keep in `tier` when it is contended: eviction there takes the pages of the
         groups over their quota first (radix.order)."""
@@ -428,18 +443,41 @@ class RadixTree:
         doc), lowest priority first (ties: the oldest node): nodes in host memory and in L3, not locked there and
         with no pin of their own, for which `skip` is false. The fallback of an eviction that found no leaf.
 
-        One scan of the host nodes, sorted; each node is checked again when its turn comes, so the caller may evict
-        between items: evicting host copies takes candidates away and adds none. A caller that pins pages meanwhile
-        may make a node above them a candidate the scan missed: scan again before concluding there is none. Nodes
-        are split only by evicting their tail, which needs no further candidate. `skip` (the controller's may ask
-        the GPU whether a copy landed) runs only for the node whose turn it is."""
-        priority, may_leave = self.priorities[_HOST], self._interior_may_leave
-        # a leaf qualifies only with pinned descendants (else it is an ordinary leaf)
-        found = [(priority(node), node.id, node) for node in self._host_disk.values() if may_leave(node)]
-        found.sort(key=lambda entry: (entry[0], entry[1]))
-        for _, _, node in found:
-            if node.loc[_HOST] is not None and self._interior_may_leave(node) and (skip is None or not skip(node)):
-                yield node
+        The nodes in both host memory and L3 are kept in a heap by priority: an item costs a few heap operations,
+        not a scan of the host nodes. A node found not to qualify (or `skip`ped) is set aside and goes back into the
+        heap when the iteration ends, so the caller may evict between items. `skip` (the controller's may ask the GPU
+        whether a copy landed) runs only for the node whose turn it is. Two iterations at once would each miss what
+        the other set aside: a caller finishes one (or drops it) before it starts the next."""
+        heap, index, priority = self._host_disk_heap, self._host_disk, self.priorities[_HOST]
+        aside: list[tuple[Any, int, int, TreeNode]] = []
+        met: set[int] = set()  # nodes yielded or passed over (a node indexed twice has two entries)
+        try:
+            while heap:
+                entry = heap[0]
+                prio, _, _, node = entry
+                if index.get(node.id) is not node:
+                    heapq.heappop(heap)  # stale: it left host memory or L3
+                    continue
+                if node.id in met:  # another entry of a node met already (yielded and kept by the caller)
+                    aside.append(heapq.heappop(heap))
+                    continue
+                now = priority(node)
+                if now != prio:  # used since it was pushed: its place is further down
+                    heapq.heapreplace(heap, (now, node.id, next(self._host_disk_seq), node))
+                    continue
+                met.add(node.id)
+                # a leaf qualifies only with pinned descendants (else it is an ordinary leaf)
+                if self._interior_may_leave(node) and (skip is None or not skip(node)):
+                    yield node
+                    if heap and heap[0] is entry:
+                        heapq.heappop(heap)
+                        if index.get(node.id) is node and prio == priority(node):
+                            aside.append(entry)  # the caller kept it: not again in this iteration
+                    continue  # else the caller evicted it (its tail: the upper part is a new node, pushed)
+                aside.append(heapq.heappop(heap))  # passed over
+        finally:
+            for entry in aside:
+                heapq.heappush(heap, entry)
 
     @staticmethod
     def own_pins(node: TreeNode) -> int:

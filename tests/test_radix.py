@@ -164,9 +164,10 @@ def test_a_host_copy_above_a_pinned_page_may_go_when_l3_holds_it():
 
 
 def test_host_copies_above_pinned_pages_come_lowest_priority_first_and_are_checked_on_their_turn():
-    """Three prefixes in host memory and L3, each above a pinned host page: one scan orders them by priority (the
-    least recently used first), `skip` is asked only of the node whose turn it is, and a node that gained a pin of
-    its own after the scan is passed over when its turn comes."""
+    """Three prefixes in host memory and L3, each above a pinned host page: they come by priority (the least
+    recently used first, after touches that reorder them), `skip` is asked only of the node whose turn it is, a node
+    that gained a pin of its own meanwhile is passed over when its turn comes, and one passed over is there again
+    for the next iteration."""
     tree = RadixTree(1)
     parents = []
     for i in range(3):
@@ -345,10 +346,11 @@ def test_lrfu_rejects_a_bad_half_life():
         RadixTree(4, eviction_policy="lrfu", half_life=0)
 
 
-def test_one_eviction_scans_the_host_nodes_once_and_again_only_before_its_last_resort():
+def test_one_eviction_iterates_the_candidates_once_and_again_only_before_its_last_resort():
     """The host copies one eviction takes (controller.eviction._HostPicks): the copies above pinned pages in
-    priority order from a single scan; when none is left, one more scan before the last resort, a leaf whose L3
-    write waits (it is dropped). Such a leaf, passed over, stays out of the host order until it is requeued."""
+    priority order from one iteration of `evictable_interiors`; when none is left, one more before the last resort,
+    a leaf whose L3 write waits (it is dropped). Such a leaf, passed over, stays out of the host order until it is
+    requeued."""
     from controller.eviction import _HostPicks
 
     tree = RadixTree(1)
@@ -374,10 +376,10 @@ def test_one_eviction_scans_the_host_nodes_once_and_again_only_before_its_last_r
         assert interior
         taken.append(node)
         tree.clear_location(node, HOST, interior=True)
-    assert taken == parents and len(scans) == 1  # oldest first (insertion order), one scan for all three
+    assert taken == parents and len(scans) == 1  # oldest first (insertion order), one iteration for all three
     tree.unpin(leaves[2])  # its pin dropped: the leaf is evictable, but its write waits
     node, interior = picks.next(None)
-    assert (node, interior) == (leaves[2], False) and len(scans) == 2  # the first scan ran out: one more
+    assert (node, interior) == (leaves[2], False) and len(scans) == 2  # the first iteration ran out: one more
     picks.done()
     # an eviction that passes over a leaf whose write waits leaves it out of the host order, until it is requeued
     in_order = lambda n: any(entry[2] is n for heap in tree.order.heaps[1].values() for entry in heap)  # noqa: E731
