@@ -1,9 +1,10 @@
 """Continuous batching over the tier controller: admission, chunked prefill, batched decode, preemption.
 
 Each step the scheduler (1) applies finished I/O (`poll`) and moves requests whose cached prefix has
-reached the GPU from LOADING to RUNNING, (2) admits waiting requests while the prefill backlog is below
-one step's token budget, and starts L3 -> host prefetches for those still waiting (their disk pages
-travel while others compute, so at admission they load from host), and (3) plans the step: one token
+reached the GPU from LOADING to RUNNING, (2) admits waiting requests while the running requests' prefill
+backlog is below one step's token budget (one LOADING for its prefix has nothing the GPU can compute yet), and
+starts L3 -> host prefetches for those still waiting (their disk pages travel while others compute, so at
+admission they load from host), and (3) plans the step: one token
 for every decoding request, then prefill chunks (oldest first) within `chunk_tokens`, taking no further
 request once the step holds `batch_tokens` prefill tokens. New KV goes into
 private pages from `alloc_device`; when none are left the most recently admitted request is preempted
