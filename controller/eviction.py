@@ -207,7 +207,7 @@ class Eviction:
                 continue
             if node.id in t.writing and node.id not in t.bounced:
                 why = "writing"
-            elif self.tree.own_pins(node) > 0:
+            elif node.own_pins > 0:
                 why = "prefetched" if t.prefetched(node) else "pinned"
             elif node.lock_ref > 0 and not t.ready(node):
                 why = "copying"
@@ -325,8 +325,10 @@ class _HostPicks:
         """The eviction is over: the leaves passed over go back into the host order, but those whose write still
         waits."""
         pending = self.pending
-        self._passed[:] = [n for n in self._passed if not pending(n)]
-        self.tree.restore_evictable(HOST, self._passed)
+        for node in self._passed:
+            if not pending(node):
+                self.tree.requeue(node)
+        self._passed.clear()
 
     def next(self, skip: Callable[[TreeNode], bool] | None,
              groups: list[int] | None = None) -> tuple[TreeNode | None, bool]:
@@ -336,17 +338,15 @@ class _HostPicks:
                                        self._passed)
         if node is not None:
             return node, False
-        for rescan in (False, True):
-            if self._interiors is None or rescan or groups != self._groups:
-                outside = ((lambda n: (skip is not None and skip(n)) or n.group not in groups) if groups is not None
-                           else skip)
-                self._interiors, self._groups = self.tree.evictable_interiors(outside), groups
-                rescan = True
+        if self._interiors is not None and groups == self._groups:
             node = next(self._interiors, None)
-            if node is not None:
-                return node, True
-            if rescan:
-                break
+        if node is None:  # the first look of this eviction, or the last before its last resort
+            outside = ((lambda n: (skip is not None and skip(n)) or n.group not in groups) if groups is not None
+                       else skip)
+            self._interiors, self._groups = self.tree.evictable_interiors(outside), groups
+            node = next(self._interiors, None)
+        if node is not None:
+            return node, True
         self.done()
         for node in self.pending_nodes():  # the last resort may take a leaf whose write waits: all back in the order
             self.tree.requeue(node)

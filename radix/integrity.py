@@ -78,5 +78,5 @@ def check_integrity(tree: Any) -> None:
         if n.own_pins != n.pin_ref - sum(c.pin_ref for c in n.children.values()):
             fail(f"{n} counts {n.own_pins} pins of its own, its path counts say otherwise")
     host_disk = {n.id for n in tree.nodes() if n.loc[1] is not None and n.loc[2] is not None}
-    if host_disk != set(tree._host_disk):
-        fail(f"nodes in host memory and L3 {sorted(host_disk)}, indexed {sorted(tree._host_disk)}")
+    if host_disk != set(tree.host_disk.nodes):
+        fail(f"nodes in host memory and L3 {sorted(host_disk)}, indexed {sorted(tree.host_disk.nodes)}")

@@ -87,7 +87,7 @@ class EvictionOrder:
         from the groups over their quota if one of them has one, else from any group. The node stays a candidate
         (the caller clears its location). Skipped leaves go back into the heap, or, given `passed`, into that list:
         a caller that pops again and again with the same `skip` (one eviction taking many nodes) then does not pop
-        them each time, and gives them back with `restore` when done."""
+        them each time, and gives them back with `refresh` when done."""
         if groups is not None:
             return self._pick(ti, groups, held, skip, passed)
         if not self.quotas[ti] and len(self.heaps[ti]) == 1:  # one group, no quotas: its heap alone
@@ -99,14 +99,6 @@ class EvictionOrder:
             if found is not None:
                 return found
         return self._pick(ti, list(self.heaps[ti]), held, skip, passed)
-
-    def restore(self, ti: int, nodes: list[Node]) -> None:
-        """Put leaves that `pop` set aside (its `passed`) back into tier ti's order."""
-        leaves = self.leaves[ti]
-        for node in nodes:
-            if node in leaves:
-                self.push(ti, node)
-        nodes.clear()
 
     def _pick(self, ti: int, groups: Iterable[int], held: Callable[[Node, int], bool],
               skip: Callable[[Node], bool] | None, passed: list[Node] | None) -> Node | None:

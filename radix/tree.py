@@ -27,12 +27,12 @@ Invariants (checked by `check_integrity`):
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from radix.hashing import KEY_BYTES, page_keys
+from radix.host_disk import HostDiskIndex, may_leave_above_held
 from radix.integrity import check_integrity
 from radix.namespace import NamespaceRoots
 from radix.node import (
@@ -81,13 +81,8 @@ class RadixTree:
         self.root: NamespaceRoot = NamespaceRoot(None, None, namespace, 0)
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
-        # nodes with a copy both in host memory and in L3, the only ones whose host copy may leave above held pages
-        # (`evictable_interiors` looks among them alone), and a heap of them by host priority. An entry is pushed when
-        # its node enters the index and is stale once the node left it. A node's priority only grows (every policy's
-        # key: radix.policy), so an entry whose priority is behind its node's is moved down when it comes up
-        self._host_disk: dict[int, TreeNode] = {}
-        self._host_disk_heap: list[tuple[Any, int, int, TreeNode]] = []
-        self._host_disk_seq = itertools.count()
+        # nodes with a copy both in host memory and in L3: where `evictable_interiors` looks
+        self.host_disk = HostDiskIndex(self.priorities[_HOST])
         self.pages_in = [0, 0, 0]  # pages resident per tier
         self.order = EvictionOrder(self.priorities)
         self._leaves = self.order.leaves  # evictable-leaf candidates per tier
@@ -147,7 +142,7 @@ class RadixTree:
             for n in path:
                 self.touch(n, now, reference=True)
                 n.hit_count += 1
-                self._refresh(n)
+                self.requeue(n)
         return self._result(path, start)
 
     def _result(self, path: list[TreeNode], base: TreeNode) -> MatchResult:
@@ -226,7 +221,7 @@ class RadixTree:
             else:
                 duplicates.extend(pages[page : page + k])
             self.touch(child, now, reference=False)
-            self._refresh(child)
+            self.requeue(child)
             node = child
             page += k
         return node, duplicates
@@ -249,8 +244,8 @@ class RadixTree:
         mid.last_access = child.last_access
         mid.hit_count = child.hit_count
         mid.frequency = child.frequency
-        if child.id in self._host_disk:
-            self._index_host_disk(mid)
+        if child in self.host_disk:
+            self.host_disk.add(mid)
         child.tokens = child.tokens[k * ps :]
         child.keys = child.keys[k:]
         child.num_pages = len(child.keys)
@@ -277,7 +272,7 @@ class RadixTree:
     def _set_loc(self, node: TreeNode, ti: int, pages: list[Any]) -> None:
         node.loc[ti] = pages
         if ti != _DEVICE and node.loc[_HOST] is not None and node.loc[_DISK] is not None:
-            self._index_host_disk(node)
+            self.host_disk.add(node)
         self.pages_in[ti] += len(pages)
         self.order.group_pages[ti][node.group] += len(pages)
         parent = node.parent
@@ -304,7 +299,7 @@ class RadixTree:
         if pages is None:
             raise ValueError(f"{node} is not resident in {tier}")
         if interior:
-            if ti != _HOST or not self._interior_may_leave(node):
+            if ti != _HOST or not may_leave_above_held(node):
                 raise ValueError(f"{node}'s {tier} copy may not leave before its children's")
         elif node.tier_children[ti]:
             raise ValueError(f"{node} has children in {tier}; evict them first")
@@ -321,7 +316,7 @@ class RadixTree:
         assert pages is not None
         node.loc[ti] = None
         if ti != _DEVICE:
-            self._host_disk.pop(node.id, None)
+            self.host_disk.discard(node)
         self.pages_in[ti] -= len(pages)
         self.order.group_pages[ti][node.group] -= len(pages)
         self._leaves[ti].discard(node)
@@ -373,7 +368,7 @@ class RadixTree:
             if n.lock_ref > 0 or n.pin_ref > 0:
                 raise AssertionError(f"locked {n} below unlocked {node}")  # locks count along the path
             removed.append(n)
-            self._host_disk.pop(n.id, None)
+            self.host_disk.discard(n)
             for ti, pages in enumerate(n.loc):
                 if pages is not None:
                     self.pages_in[ti] -= len(pages)
@@ -386,18 +381,6 @@ class RadixTree:
     def _push(self, ti: int, node: TreeNode) -> None:
         self.order.push(ti, node)
 
-    def _refresh(self, node: TreeNode) -> None:
-        self.order.refresh(node)
-
-    def _index_host_disk(self, node: TreeNode) -> None:
-        self._host_disk[node.id] = node
-        heap = self._host_disk_heap
-        if len(heap) > 4 * len(self._host_disk) + 1024:  # mostly stale entries: rebuild from the index
-            priority = self.priorities[_HOST]
-            heap[:] = [(priority(n), n.id, next(self._host_disk_seq), n) for n in self._host_disk.values()]
-            heapq.heapify(heap)
-        else:
-            heapq.heappush(heap, (self.priorities[_HOST](node), node.id, next(self._host_disk_seq), node))
 
     def set_quotas(self, tier: str, quotas: dict[int, int]) -> None:
         """Pages each share group may keep in `tier` when it is contended: eviction there takes the pages of the
@@ -419,75 +402,30 @@ class RadixTree:
         only where given; else, with quotas, from the groups over theirs first (radix.order).
 
         The node is not modified: the caller moves or drops its pages, then calls clear_location.
-        Nodes for which `skip(node)` is true are passed over; given `passed`, they are set aside there until
-        `restore_evictable` (radix.order.EvictionOrder.pop).
+        Nodes for which `skip(node)` is true are passed over; given `passed`, they are set aside there until the
+        caller `requeue`s them (radix.order.EvictionOrder.pop).
         """
         return self.order.pop(_TIER_INDEX[tier], self._held, skip, groups, passed)
 
-    def restore_evictable(self, tier: str, passed: list[TreeNode]) -> None:
-        """Give back the leaves `pop_evictable` set aside in `passed`."""
-        self.order.restore(_TIER_INDEX[tier], passed)
-
     def requeue(self, node: TreeNode) -> None:
-        """Put node back into the eviction order of the tiers where it is a leaf: a caller that left it out
-        (`pop_evictable`'s `passed`) because of a state of its own that has now ended."""
+        """Put node (again) into the eviction order of the tiers where it is a leaf: its priority changed, it may
+        leave now, or a caller that left it out (`pop_evictable`'s `passed`) for a state of its own that ended."""
         self.order.refresh(node)
 
     def pop_evictable_interior(self, skip: Callable[[TreeNode], bool] | None = None) -> TreeNode | None:
-        """The lowest-priority host copy that may go although children stay in host memory or descendants are
-        pinned (see the module doc), or None: the first of `evictable_interiors`."""
+        """The first of `evictable_interiors`, or None."""
         return next(self.evictable_interiors(skip), None)
 
     def evictable_interiors(self, skip: Callable[[TreeNode], bool] | None = None) -> Iterator[TreeNode]:
-        """Host copies that may go although children stay in host memory or descendants are pinned (see the module
-        doc), lowest priority first (ties: the oldest node): nodes in host memory and in L3, not locked there and
-        with no pin of their own, for which `skip` is false. The fallback of an eviction that found no leaf.
-
-        The nodes in both host memory and L3 are kept in a heap by priority: an item costs a few heap operations,
-        not a scan of the host nodes. A node found not to qualify (or `skip`ped) is set aside and goes back into the
-        heap when the iteration ends, so the caller may evict between items. `skip` (the controller's may ask the GPU
-        whether a copy landed) runs only for the node whose turn it is. Two iterations at once would each miss what
-        the other set aside: a caller finishes one (or drops it) before it starts the next."""
-        heap, index, priority = self._host_disk_heap, self._host_disk, self.priorities[_HOST]
-        aside: list[tuple[Any, int, int, TreeNode]] = []
-        met: set[int] = set()  # nodes yielded or passed over (a node indexed twice has two entries)
-        try:
-            while heap:
-                entry = heap[0]
-                prio, _, _, node = entry
-                if index.get(node.id) is not node:
-                    heapq.heappop(heap)  # stale: it left host memory or L3
-                    continue
-                if node.id in met:  # another entry of a node met already (yielded and kept by the caller)
-                    aside.append(heapq.heappop(heap))
-                    continue
-                now = priority(node)
-                if now != prio:  # used since it was pushed: its place is further down
-                    heapq.heapreplace(heap, (now, node.id, next(self._host_disk_seq), node))
-                    continue
-                met.add(node.id)
-                # a leaf qualifies only with pinned descendants (else it is an ordinary leaf)
-                if self._interior_may_leave(node) and (skip is None or not skip(node)):
-                    yield node
-                    if heap and heap[0] is entry:
-                        heapq.heappop(heap)
-                        if index.get(node.id) is node and prio == priority(node):
-                            aside.append(entry)  # the caller kept it: not again in this iteration
-                    continue  # else the caller evicted it (its tail: the upper part is a new node, pushed)
-                aside.append(heapq.heappop(heap))  # passed over
-        finally:
-            for entry in aside:
-                heapq.heappush(heap, entry)
+        """Host copies that may go although children stay in host memory or descendants are pinned (the module doc;
+        `may_leave_above_held`) and `skip` is false, lowest priority first: the fallback of an eviction that found no
+        leaf. The caller may evict between items; `skip` runs only for the node whose turn it is (radix.host_disk)."""
+        return self.host_disk.by_priority(lambda node: may_leave_above_held(node) and (skip is None or not skip(node)))
 
     @staticmethod
     def own_pins(node: TreeNode) -> int:
         """Pins of the node's own pages (pin_ref counts its descendants' too)."""
         return node.own_pins
-
-    def _interior_may_leave(self, node: TreeNode) -> bool:
-        return (node.loc[_DISK] is not None and (node.tier_children[_HOST] > 0 or node.pin_ref > 0)
-                and not (node.lock_ref > 0 and node.loc[_DEVICE] is None)
-                and node.own_pins == 0)
 
     @staticmethod
     def _held(node: TreeNode, ti: int) -> bool:
@@ -516,7 +454,7 @@ class RadixTree:
                 raise ValueError(f"unlock of unlocked {walk}")
             walk.lock_ref -= 1
             if walk.lock_ref == 0:
-                self._refresh(walk)
+                self.requeue(walk)
             walk = walk.parent
 
     def pin(self, node: TreeNode) -> None:
@@ -538,7 +476,7 @@ class RadixTree:
                 raise ValueError(f"unpin of unpinned {walk}")
             walk.pin_ref -= 1
             if walk.pin_ref == 0 and walk.lock_ref == 0:
-                self._refresh(walk)
+                self.requeue(walk)
             walk = walk.parent
 
     # ------------------------------------------------------------------ inspection

@@ -157,6 +157,16 @@ def clocked_disk(l3: StuckL3, pages_per_s: float, host: int) -> tuple[Harness, l
     return h, now
 
 
+def release_and_close(h: Harness, hold) -> None:
+    """Let the stuck reads land, give the hold back, and close once the integrity check passes."""
+    h.l3.go.set()
+    h.ctrl.release_prefetch(hold)
+    assert h.ctrl.worker.wait_idle(30)
+    h.ctrl.poll()
+    h.ctrl.check_integrity()
+    h.close()
+
+
 def count_matches(h: Harness) -> list[int]:
     """The prefix matches the controller makes from now on, one entry each."""
     matches: list[int] = []
@@ -275,12 +285,7 @@ def test_prefetch_keeps_at_most_its_queue_of_seconds_on_the_disk_and_goes_on_as_
         now[0] = 0.3  # and the queue estimate has drained
         hold = h.ctrl.prefetch(seq(1, 12), max_pages=12, hold=hold)
         assert h.ctrl.stats.prefetched_pages == 6 and hold.pages == 6
-    l3.go.set()
-    h.ctrl.release_prefetch(hold)
-    assert h.ctrl.worker.wait_idle(30)
-    h.ctrl.poll()
-    h.ctrl.check_integrity()
-    h.close()
+    release_and_close(h, hold)
 
 
 def test_a_prefetch_the_disk_queue_stopped_asks_again_once_a_quarter_of_the_queue_is_free():
@@ -288,7 +293,6 @@ def test_a_prefetch_the_disk_queue_stopped_asks_again_once_a_quarter_of_the_queu
     not match its prompt again for the page or two each landing read frees, only for a quarter of the queue (7
     pages): the match of a long prompt each step cost the engine thread milliseconds for nothing."""
     h, now = clocked_disk(stuck_prefix(40, pool=64), 100, host=128)  # the reads queue and do not land
-    l3 = h.l3
     h.ctrl.loads.prefetch_queue_s = 0.25  # the server's default (configs/default.yaml)
     assert h.ctrl.loads.staging_pages == 64
     matches = count_matches(h)
@@ -301,12 +305,7 @@ def test_a_prefetch_the_disk_queue_stopped_asks_again_once_a_quarter_of_the_queu
     now[0] = 0.1  # 10 pages' worth: the queue is refilled
     hold = h.ctrl.prefetch(seq(1, 40), max_pages=40, hold=hold)
     assert len(matches) == 2 and h.ctrl.stats.prefetched_pages == 35 and hold.pages == 35 and hold.queue_bound
-    l3.go.set()
-    h.ctrl.release_prefetch(hold)
-    assert h.ctrl.worker.wait_idle(30)
-    h.ctrl.poll()
-    h.ctrl.check_integrity()
-    h.close()
+    release_and_close(h, hold)
 
 
 def test_a_prefetch_never_pins_below_a_page_whose_only_copy_is_on_the_gpu():

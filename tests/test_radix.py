@@ -163,14 +163,12 @@ def test_a_host_copy_above_a_pinned_page_may_go_when_l3_holds_it():
     tree.check_integrity()
 
 
-def test_host_copies_above_pinned_pages_come_lowest_priority_first_and_are_checked_on_their_turn():
-    """Three prefixes in host memory and L3, each above a pinned host page: they come by priority (the least
-    recently used first, after touches that reorder them), `skip` is asked only of the node whose turn it is, a node
-    that gained a pin of its own meanwhile is passed over when its turn comes, and one passed over is there again
-    for the next iteration."""
+def prefixes_above_pinned_host_pages(count: int = 3) -> tuple[RadixTree, list[TreeNode], list[TreeNode]]:
+    """`count` one-page prefixes in host memory and L3, each above a one-page leaf in host memory that an L3 write
+    pins; (tree, prefixes, leaves), inserted oldest first."""
     tree = RadixTree(1)
-    parents = []
-    for i in range(3):
+    parents, leaves = [], []
+    for i in range(count):
         tree.insert([i + 1], [2 * i])
         tree.insert([i + 1, 50 + i], [2 * i, 2 * i + 1])
         leaf = tree.match_prefix([i + 1, 50 + i], touch=False).last_node
@@ -179,6 +177,16 @@ def test_host_copies_above_pinned_pages_come_lowest_priority_first_and_are_check
         tree.set_location(leaf, HOST, [11 + 2 * i])
         tree.pin(leaf)  # an L3 write reads it
         parents.append(leaf.parent)
+        leaves.append(leaf)
+    return tree, parents, leaves
+
+
+def test_host_copies_above_pinned_pages_come_lowest_priority_first_and_are_checked_on_their_turn():
+    """Three prefixes in host memory and L3, each above a pinned host page: they come by priority (the least
+    recently used first, after touches that reorder them), `skip` is asked only of the node whose turn it is, a node
+    that gained a pin of its own meanwhile is passed over when its turn comes, and one passed over is there again
+    for the next iteration."""
+    tree, parents, _ = prefixes_above_pinned_host_pages()
     for i in (1, 0, 2):
         tree.match_prefix([i + 1, 50 + i])  # touched in this order: 1 is the least recently used
     asked = []
@@ -353,18 +361,7 @@ def test_one_eviction_iterates_the_candidates_once_and_again_only_before_its_las
     requeued."""
     from controller.eviction import _HostPicks
 
-    tree = RadixTree(1)
-    parents, leaves = [], []
-    for i in range(3):
-        tree.insert([i + 1], [2 * i])
-        tree.insert([i + 1, 50 + i], [2 * i, 2 * i + 1])
-        leaf = tree.match_prefix([i + 1, 50 + i], touch=False).last_node
-        tree.set_location(leaf.parent, HOST, [10 + 2 * i])
-        tree.set_location(leaf.parent, DISK, list(leaf.parent.keys))
-        tree.set_location(leaf, HOST, [11 + 2 * i])
-        tree.pin(leaf)
-        parents.append(leaf.parent)
-        leaves.append(leaf)
+    tree, parents, leaves = prefixes_above_pinned_host_pages()
     scans = []
     real = tree.evictable_interiors
     tree.evictable_interiors = lambda skip=None: scans.append(1) or real(skip)
