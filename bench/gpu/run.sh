@@ -24,7 +24,9 @@
 #              tokens; EXTRA: more serve flags for every arm; TRACE=FIRST:COUNT adds a host run under --trace-gpu
 #   noloss     no reuse: single-turn random prompts, tiers off, then host 16 GiB + L3 24 GiB once per write-through
 #              deferral in DEFERS [0.25 1.0]; cases NR_CASES [2k 32k] (32 x 2k in / 256 out, 8 x 32k in / 8 out);
-#              PROFILE=1 adds an engine-thread profile of the 32k case with the tiers on; EXTRA as above
+#              each server serves NR_REPEAT [3] rounds of fresh prompts (seeds 7, 8, ...), and the summary compares
+#              the medians over those rounds, so that one noisy round does not decide; PROFILE=1 adds an
+#              engine-thread profile of the 32k case with the tiers on; EXTRA as above
 #   l3prefix   an 8,192-token prefix back from L3 against recomputing it: tiers off, auto, auto + overlap (ALWAYS=1
 #              adds always-load)
 #   inprocess  bench/gpu/tier_overhead.py, no server: the no-reuse cost of write-through (fresh and full GPU pool,
@@ -45,6 +47,7 @@
 #              is skipped, so the archive is written before a 600 s device command ends). EXTRA as above;
 #              PROFILE=1 adds an engine-thread cProfile per arm (NAME.pstats; it slows the engine thread). At the end
 #              bench/replay_vs_server.py replays each arm from its server's figures: predicted against measured
+#              (REPLAY=0 skips it; run it on the returned archive instead)
 set -u
 workload=${1:-}
 case $workload in
@@ -235,8 +238,9 @@ noloss() {
   declare -A cases=([2k]="32 2048 256" [32k]="8 32768 8")
   nr() {  # name serve-flags
     port=$((port + 1))
-    serve "$1" $port 170 "==|Error" "$2 $EXTRA" "python3 -m hicache.cli bench multiturn --url \$URL --clients $clients \
---rounds 1 --request-length $len --output-length $outlen --seed 7 --json \$OUT/$1.json"
+    serve "$1" $port 170 "==|Error" "$2 $EXTRA" "for s in \$(seq 7 $((6 + ${NR_REPEAT:-3}))); do \
+python3 -m hicache.cli bench multiturn --url \$URL --clients $clients --rounds 1 --request-length $len \
+--output-length $outlen --seed \$s --json \$OUT/$1.s\$s.json || exit 1; done"
   }
   for c in ${NR_CASES:-2k 32k}; do
     [ -n "${cases[$c]:-}" ] || { echo "noloss: unknown case $c (2k, 32k)"; continue; }
@@ -258,7 +262,7 @@ import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_sta
       >"$OUT/nr32k_engine.txt" 2>&1
     rm -rf /tmp/hicache-l3-nr
   fi
-  summary "nr*.json" _off
+  python3 bench/gpu/noloss_summary.py "$OUT" 2>&1 | tee "$OUT/summary.txt"
 }
 
 l3prefix() {
@@ -344,9 +348,12 @@ agent() {
   done
   python3 bench/step_log_summary.py "$OUT"/agent_*.steps.jsonl 2>&1 | tee "$OUT/steps_summary.txt"
   summary "agent_*.json" gpu_only
-  # the replay's prediction of each arm, from that arm's server figures (bench/RESULTS.md, 'Replay predicts time')
-  timeout 120 python3 bench/replay_vs_server.py "$OUT" --config "${CONFIG:-configs/h200-llama8b.yaml}" \
-    --json "$OUT/replay_vs_server.json" 2>&1 | tee "$OUT/replay_vs_server.txt"
+  # the replay's prediction of each arm, from that arm's server figures (bench/RESULTS.md, 'Replay predicts time');
+  # REPLAY=0 leaves it to be run off the device on the returned archive, where it costs no device time
+  if [ "${REPLAY:-1}" = 1 ]; then
+    timeout 120 python3 bench/replay_vs_server.py "$OUT" --config "${CONFIG:-configs/h200-llama8b.yaml}" \
+      --json "$OUT/replay_vs_server.json" 2>&1 | tee "$OUT/replay_vs_server.txt"
+  fi
 }
 
 "$workload"
