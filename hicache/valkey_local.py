@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -98,6 +99,10 @@ def main() -> None:
     p.add_argument("--port", type=int, default=6390)
     p.add_argument("--maxmemory", default="4gb")
     args = p.parse_args()
+    # SIGINT and SIGTERM both stop the server and remove its directory. A shell script's background job starts with
+    # SIGINT ignored, and Python then never raises KeyboardInterrupt: reinstate it, so that `kill -INT` works there too.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with LocalServer(args.port, args.maxmemory) as server:
         print(f"valkey at {server.url} (maxmemory {args.maxmemory}, allkeys-lru); Ctrl-C stops it", flush=True)
         try:

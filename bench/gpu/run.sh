@@ -343,7 +343,7 @@ agent() {
     serve "$name" $((port + i)) "$limit" "==|metrics|sessions" "$flags $EXTRA $prof --step-log $OUT/$name.steps.jsonl" \
       "$client --json \$OUT/$name.json"
     [ -n "$l3" ] && rm -rf "$l3"
-    [ -n "$valkey" ] && kill -INT "$valkey" 2>/dev/null && wait "$valkey" 2>/dev/null
+    [ -n "$valkey" ] && kill -TERM "$valkey" 2>/dev/null && wait "$valkey" 2>/dev/null
     valkey=
   done
   python3 bench/step_log_summary.py "$OUT"/agent_*.steps.jsonl 2>&1 | tee "$OUT/steps_summary.txt"
