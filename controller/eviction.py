@@ -18,11 +18,19 @@ from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 
 _clock = time.perf_counter  # times the engine thread's waits (a test replaces it)
 
+# How many GPU leaves one eviction passes over because freeing them would wait for a copy, before it takes them in
+# order anyway (`_DevicePicks`): enough to find a leaf already copied among a few recent deferred ones, few enough that
+# a pool full of uncopied pages costs each eviction little.
+COPY_LOOKAHEAD = 16
+
 
 class EvictionHook(Protocol):
     """Told about a node just before its pages leave a tier (it may copy them down first)."""
 
     def evicting(self, tier: str, node: TreeNode) -> None: ...
+
+    def copies_before_leaving(self, tier: str, node: TreeNode) -> bool:
+        """Whether `evicting` would copy the node's pages down now, before they may be freed."""
 
     def removed(self, node: TreeNode) -> None:
         """The tree removed the node with an ancestor (an orphan: its pages are freed without an eviction)."""
@@ -31,6 +39,9 @@ class EvictionHook(Protocol):
 class _NoHook:
     def evicting(self, tier: str, node: TreeNode) -> None:
         return None
+
+    def copies_before_leaving(self, tier: str, node: TreeNode) -> bool:
+        return False
 
     def removed(self, node: TreeNode) -> None:
         return None
@@ -92,7 +103,11 @@ class Eviction:
                                  or self._landing(node))
         else:
             skip = (lambda node: node is protect) if protect is not None else None
-        picks = _HostPicks(self.tree, self.write_pending, self.pending_nodes) if tier == HOST else None
+        picks: _HostPicks | _DevicePicks | None = None
+        if tier == HOST:
+            picks = _HostPicks(self.tree, self.write_pending, self.pending_nodes)
+        elif tier == DEVICE:
+            picks = _DevicePicks(self.tree, self._waits_for_copy)
         try:
             while freed < need:
                 node, interior = (picks.next(skip, groups) if picks is not None
@@ -107,6 +122,15 @@ class Eviction:
             if picks is not None:
                 picks.done()
         return freed
+
+    def _waits_for_copy(self, node: TreeNode) -> bool:
+        """Whether freeing the node's GPU pages now waits for a GPU -> host copy: its backup still reads them, or the
+        write policy makes one before they leave (a deferred backup). That wait is for every copy queued before it:
+        taking such a leaf while others could go free cost the engine the copy queue's length per eviction
+        (bench/RESULTS.md, 'Offline replay')."""
+        pages = node.device_pages
+        handle = self.transfers.backups.get(pages[-1]) if pages else None
+        return (handle is not None and not handle.done()) or self.hook.copies_before_leaving(DEVICE, node)
 
     def _landing(self, node: TreeNode) -> bool:
         """Whether a GPU -> host copy still lands in the node's host pages (a backup just made). Such pages are no
@@ -351,3 +375,39 @@ class _HostPicks:
         for node in self.pending_nodes():  # the last resort may take a leaf whose write waits: all back in the order
             self.tree.requeue(node)
         return self.tree.pop_evictable(HOST, skip, groups), False
+
+
+class _DevicePicks:
+    """The GPU copies one eviction takes, in turn: the lowest-priority leaf whose pages can be freed without waiting for
+    a copy; up to COPY_LOOKAHEAD leaves that would wait (`Eviction._waits_for_copy`) are passed over, then, once no
+    other leaf is left or that many were passed, the leaves are taken in order. Passed leaves are set aside for the
+    eviction and go back into the GPU order when it is done."""
+
+    def __init__(self, tree: RadixTree, waits: Callable[[TreeNode], bool]):
+        self.tree = tree
+        self.waits = waits
+        self._passed: list[TreeNode] = []
+        self._looked = 0  # leaves passed over for a copy so far
+
+    def done(self) -> None:
+        for node in self._passed:
+            self.tree.requeue(node)
+        self._passed.clear()
+
+    def _passes(self, node: TreeNode) -> bool:
+        if self._looked < COPY_LOOKAHEAD and self.waits(node):
+            self._looked += 1
+            return True
+        return False
+
+    def next(self, skip: Callable[[TreeNode], bool] | None,
+             groups: list[int] | None = None) -> tuple[TreeNode | None, bool]:
+        """(node, False), or (None, False) when nothing may go."""
+        if self._looked < COPY_LOOKAHEAD:
+            node = self.tree.pop_evictable(DEVICE, lambda n: (skip is not None and skip(n)) or self._passes(n),
+                                           groups, self._passed)
+            if node is not None or not self._looked:
+                return node, False
+            self._looked = COPY_LOOKAHEAD  # only leaves that wait are left: in order from here
+            self.done()
+        return self.tree.pop_evictable(DEVICE, skip, groups), False

@@ -163,6 +163,13 @@ class Writes:
                     and node.id not in self.transfers.writing:
                 self.stats.drops["not_reused"] += node.num_pages  # no spare room came in time
 
+    def copies_before_leaving(self, tier: str, node: TreeNode) -> bool:
+        """EvictionHook: whether `evicting` copies the node down first. Only a deferred GPU -> host copy counts: the
+        engine waits for it (and the copies queued before it) to free the GPU pages. Under write-back every node is
+        copied when it leaves, and the order of leaving cannot spare a copy."""
+        return (tier == DEVICE and self.to_host.defers and not node.on_host and self.to_host.on_evict(node)
+                and self._host_copy_pays(node))
+
     def removed(self, node: TreeNode) -> None:
         """EvictionHook: a node removed with an ancestor leaves the writes waiting for the queue."""
         if self._unwait(node) and not node.on_disk:

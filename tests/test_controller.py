@@ -174,6 +174,22 @@ def test_deferred_write_through_copies_on_eviction():
     h.check_all_bytes()
 
 
+def test_gpu_eviction_takes_a_copied_leaf_before_an_older_one_it_would_wait_to_copy():
+    """Freeing an uncopied leaf's GPU pages waits for its copy and every copy queued before it: a leaf already in host
+    memory goes first, although it was used later."""
+    h = Harness(device=5, host=16, disk=0, policy=mechanics("write_through", "write_through", defer_above_free=0.0))
+    h.run(seq(2, 2))
+    h.run(seq(1, 2))  # both deferred, seq 2 the older
+    tree = h.ctrl.tree
+    first = tree.match_prefix(seq(1, 2), touch=False).last_node
+    assert h.ctrl.writes.backup_to_host(first) and h.host.used_pages() == 2
+    h.run(seq(3, 2))  # 1 page free, 2 needed: seq 1's last page goes, no copy made for it
+    assert h.ctrl.stats.evictions[DEVICE] == 1 and h.ctrl.stats.eviction_backups == 0
+    assert tree.match_prefix(seq(2, 2), touch=False).device_pages == 2
+    assert h.run(seq(1, 2)) == {DEVICE: 1, HOST: 1}
+    h.check_all_bytes()
+
+
 def test_deferred_write_through_copies_when_idle():
     h = Harness(device=8, host=16, disk=0, policy=DEFER)
     h.run(seq(1, 2))
@@ -273,6 +289,19 @@ class SlowCopier(PageCopier):
         handle = self.Handle(self.log)
         self.handles.append(handle)
         return handle
+
+
+def test_gpu_eviction_takes_a_leaf_whose_copy_landed_before_an_older_one_still_copying():
+    h = Harness(device=4, host=8, disk=0, copier=SlowCopier)
+    copier = h.copier
+    h.run(seq(1, 2))  # its backup copy: handles[0], still in flight
+    h.run(seq(2, 2))  # handles[1]
+    copier.handles[1].landed = True
+    h.run(seq(3, 2))  # the pool is full: seq 2 leaves it, though seq 1 was used earlier, and nothing waits
+    assert copier.log == []
+    tree = h.ctrl.tree
+    assert tree.match_prefix(seq(1, 2), touch=False).device_pages == 2
+    assert tree.match_prefix(seq(2, 2), touch=False).host_pages == 2
 
 
 def test_eviction_waits_only_for_copies_of_the_evicted_pages():
