@@ -1,8 +1,9 @@
 """Eviction: room in a tier is made by dropping its lowest-priority unlocked leaves, page-exact.
 
 Before pages leave a tier the `EvictionHook` (the write policies) may save them a tier down
-(write-back). Freed GPU pages wait, on the GPU, for a backup copy still reading them. Nodes that
-leave their last tier are removed from the tree with their subtree, and every page they held is freed.
+(write-back). Freed GPU pages wait, on the GPU, for a backup copy still reading them, so the GPU takes a leaf
+that needs no such wait before a few lower-priority ones that do (`_DevicePicks`). Nodes that leave their last
+tier are removed from the tree with their subtree, and every page they held is freed.
 """
 
 from __future__ import annotations
