@@ -326,7 +326,10 @@ class _HostPicks:
     host copy above held ones that L3 has (radix.tree); else any leaf, even one whose write waits for the queue (it
     is dropped). Under write pressure the host tier is full of new pages waiting for the disk and of the prefixes
     above them: dropping the new pages while copies of bytes that L3 holds stayed lost them for good, and the engine
-    then waited for their GPU -> host copies to land.
+    then waited for their GPU -> host copies to land. Where the leaf is the host copy of GPU pages that L3 lacks, a
+    copy above held ones goes first while there is one: those GPU pages are copied back when they leave the GPU, and
+    freeing them waits for that copy (with the host full of pages waiting for the disk, every GPU eviction waited on
+    the copy queue: bench/RESULTS.md, 'Offline replay').
 
     The copies above held ones come from one iteration of `RadixTree.evictable_interiors` per eviction, not one per
     node taken: an eviction that frees a step's pages takes dozens of small nodes, and a scan of the host nodes for
@@ -345,6 +348,18 @@ class _HostPicks:
         self._interiors: Iterator[TreeNode] | None = None
         self._groups: list[int] | None = None
         self._passed: list[TreeNode] = []  # leaves passed over, out of the host order until `done`
+        self._spare_gpu_copies = True  # a copy above held ones goes before a host copy of GPU pages L3 lacks
+
+    def _interior(self, skip: Callable[[TreeNode], bool] | None, groups: list[int] | None,
+                  fresh: bool) -> TreeNode | None:
+        """The next host copy above held ones from this eviction's iteration, or from a `fresh` one."""
+        if fresh:
+            outside = ((lambda n: (skip is not None and skip(n)) or n.group not in groups) if groups is not None
+                       else skip)
+            self._interiors, self._groups = self.tree.evictable_interiors(outside), groups
+        elif self._interiors is None or groups != self._groups:
+            return None
+        return next(self._interiors, None)
 
     def done(self) -> None:
         """The eviction is over: the leaves passed over go back into the host order, but those whose write still
@@ -362,14 +377,15 @@ class _HostPicks:
         node = self.tree.pop_evictable(HOST, lambda n: (skip is not None and skip(n)) or pending(n), groups,
                                        self._passed)
         if node is not None:
+            if self._spare_gpu_copies and node.on_device and not node.on_disk:
+                above = self._interior(skip, groups, fresh=self._interiors is None or groups != self._groups)
+                if above is not None:
+                    return above, True  # the GPU copy stays at the top of the order, for when none is left
+                self._spare_gpu_copies = False
             return node, False
-        if self._interiors is not None and groups == self._groups:
-            node = next(self._interiors, None)
+        node = self._interior(skip, groups, fresh=False)
         if node is None:  # the first look of this eviction, or the last before its last resort
-            outside = ((lambda n: (skip is not None and skip(n)) or n.group not in groups) if groups is not None
-                       else skip)
-            self._interiors, self._groups = self.tree.evictable_interiors(outside), groups
-            node = next(self._interiors, None)
+            node = self._interior(skip, groups, fresh=True)
         if node is not None:
             return node, True
         self.done()

@@ -354,6 +354,36 @@ def test_lrfu_rejects_a_bad_half_life():
         RadixTree(4, eviction_policy="lrfu", half_life=0)
 
 
+def test_a_copy_above_pinned_pages_that_l3_has_goes_before_a_host_copy_of_gpu_pages_that_l3_lacks():
+    """A host copy of GPU pages is made again when they leave the GPU, and freeing them waits for that copy: when
+    such a copy's turn comes, an eviction takes the copies above pinned pages that L3 has first; the other leaves keep
+    their order (controller.eviction._HostPicks)."""
+    from controller.eviction import _HostPicks
+
+    tree, parents, leaves = prefixes_above_pinned_host_pages(1)
+    tree.insert([6], [19])
+    older = tree.match_prefix([6], touch=False).last_node
+    tree.set_location(older, HOST, [29])
+    tree.clear_location(older, DEVICE)  # in host memory only, older than the rest
+    tree.insert([7], [20])
+    on_gpu = tree.match_prefix([7], touch=False).last_node
+    tree.set_location(on_gpu, HOST, [30])  # on the GPU and in host memory, not in L3: the oldest leaf
+    tree.insert([8], [21])
+    host_only = tree.match_prefix([8], touch=False).last_node
+    tree.set_location(host_only, HOST, [31])
+    tree.clear_location(host_only, DEVICE)
+    picks = _HostPicks(tree, lambda n: False, lambda: [])
+    taken = []
+    while (pick := picks.next(None))[0] is not None:
+        node, interior = pick
+        taken.append(pick)
+        tree.clear_location(node, HOST, interior=interior)
+    picks.done()
+    assert taken == [(older, False), (parents[0], True), (on_gpu, False), (host_only, False)]
+    assert on_gpu.on_device and leaves[0].on_host  # the pinned leaf stays
+    tree.check_integrity()
+
+
 def test_one_eviction_iterates_the_candidates_once_and_again_only_before_its_last_resort():
     """The host copies one eviction takes (controller.eviction._HostPicks): the copies above pinned pages in
     priority order from one iteration of `evictable_interiors`; when none is left, one more before the last resort,
