@@ -357,9 +357,14 @@ class _HostPicks:
             outside = ((lambda n: (skip is not None and skip(n)) or n.group not in groups) if groups is not None
                        else skip)
             self._interiors, self._groups = self.tree.evictable_interiors(outside), groups
-        elif self._interiors is None or groups != self._groups:
+        elif not self._iterating(groups):
             return None
+        assert self._interiors is not None
         return next(self._interiors, None)
+
+    def _iterating(self, groups: list[int] | None) -> bool:
+        """Whether this eviction has an iteration of the copies above held ones for these share groups."""
+        return self._interiors is not None and groups == self._groups
 
     def done(self) -> None:
         """The eviction is over: the leaves passed over go back into the host order, but those whose write still
@@ -378,7 +383,7 @@ class _HostPicks:
                                        self._passed)
         if node is not None:
             if self._spare_gpu_copies and node.on_device and not node.on_disk:
-                above = self._interior(skip, groups, fresh=self._interiors is None or groups != self._groups)
+                above = self._interior(skip, groups, fresh=not self._iterating(groups))
                 if above is not None:
                     return above, True  # the GPU copy stays at the top of the order, for when none is left
                 self._spare_gpu_copies = False

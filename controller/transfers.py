@@ -35,6 +35,20 @@ FAILED = Marker("FAILED")
 PREFETCHED = Marker("PREFETCHED")
 
 
+class AllTransfers:
+    """Several copies in flight as one handle."""
+
+    def __init__(self, handles: list[TransferHandle]):
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
 class PendingCopy:
     """A host -> GPU copy asked for but not started yet (Loads.acquire starts a prefix's copies in one call once
     all its nodes have their pages): like a copy in flight, it keeps the node's host pages from eviction."""

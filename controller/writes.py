@@ -33,7 +33,7 @@ from controller.eviction import Eviction
 from controller.ports import L3, Copier, HostTier, Pool, Worker, page_buffers
 from controller.reuse import ReuseFilter
 from controller.stats import CacheStats
-from controller.transfers import Transfers
+from controller.transfers import AllTransfers, Transfers
 from controller.write_policies import TierWrites
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 from tiers.copy import COMPLETED, TransferHandle
@@ -58,20 +58,6 @@ WRITE_REFUSALS = {"not_admitted": "not_admitted", "busy": "l3_busy", "degraded":
 # a whole backlog at once (24 GB after a 32k-token burst on the H200) queued thousands of copy operations: the
 # engine thread then blocked in CUDA launches until the copy engines drained. 1 GiB is ~20 ms of PCIe 5 copying.
 FLUSH_SLICE_BYTES = 1 << 30
-
-
-class AllTransfers:
-    """Several copies in flight as one handle."""
-
-    def __init__(self, handles: list[TransferHandle]):
-        self.handles = handles
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles)
-
-    def wait(self) -> None:
-        for h in self.handles:
-            h.wait()
 
 
 class Writes:
@@ -150,8 +136,7 @@ class Writes:
     def evicting(self, tier: str, node: TreeNode) -> None:
         """EvictionHook: the last chance to copy a node's pages down before they leave `tier`."""
         if tier == DEVICE:
-            if (not node.on_host and self.to_host.on_evict(node) and self._host_copy_pays(node)
-                    and self.backup_to_host(node)):
+            if self._copies_on_leaving_gpu(node) and self.backup_to_host(node):
                 self.stats.eviction_backups += node.num_pages  # freeing its pages waits for this copy
         elif tier == HOST:
             if not node.on_disk and node.id not in self.transfers.writing and self.to_disk.on_evict(node):
@@ -167,8 +152,10 @@ class Writes:
         """EvictionHook: whether `evicting` copies the node down first. Only a deferred GPU -> host copy counts: the
         engine waits for it (and the copies queued before it) to free the GPU pages. Under write-back every node is
         copied when it leaves, and the order of leaving cannot spare a copy."""
-        return (tier == DEVICE and self.to_host.defers and not node.on_host and self.to_host.on_evict(node)
-                and self._host_copy_pays(node))
+        return tier == DEVICE and self.to_host.defers and self._copies_on_leaving_gpu(node)
+
+    def _copies_on_leaving_gpu(self, node: TreeNode) -> bool:
+        return not node.on_host and self.to_host.on_evict(node) and self._host_copy_pays(node)
 
     def removed(self, node: TreeNode) -> None:
         """EvictionHook: a node removed with an ancestor leaves the writes waiting for the queue."""
