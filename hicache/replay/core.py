@@ -101,6 +101,9 @@ class ReplayTotals:
     # the tokens each tier served (a hit is a prompt's first tokens, the cheapest to recompute)
     recompute_s: float = 0.0
     hit_compute_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS, 0.0))
+    # a timed replay's load cost per tier: the seconds requests waited for their loads beyond the GPU's queue
+    # (simulate.BlockScheduler); None: the report prices loads at bytes over bandwidth
+    load_wait_s: dict[str, float] | None = None
 
 
 class _ReplayController(TierController):

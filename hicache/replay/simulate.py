@@ -38,7 +38,7 @@ from hicache.replay.core import ReplayError, ReplaySetup, ReplayTotals
 from hicache.replay.store import ReplayL3
 from hicache.replay.timed import SimClock, TimedCopier, TimedWorker
 from hicache.replay.trace import TraceRecord, block_token
-from radix import DISK, TIERS, RadixTree, namespace_fingerprint
+from radix import DISK, HOST, TIERS, RadixTree, namespace_fingerprint
 from tiers import MetadataPool
 
 _PARAMS = SamplingParams()  # a simulated request samples nothing; the scheduler does not read it
@@ -79,6 +79,9 @@ class SimRequest(Request):
     hits: dict[str, int] = field(default_factory=dict)  # blocks per tier at the first token
     disk_positions: list[int] = field(default_factory=list)  # the prompt's blocks served from disk
     on_finish: Callable[[float], None] | None = None
+    # seconds its first token waited for its loads: in LOADING past the GPU's queue at entry (BlockScheduler)
+    load_wait_s: float = 0.0
+    loading_entry: tuple[float, float] | None = None  # (when it entered LOADING, the GPU's prefill backlog then)
 
 
 class BlockScheduler(Scheduler):
@@ -95,6 +98,21 @@ class BlockScheduler(Scheduler):
         cost, bt = self.ctrl.cost, self.block_tokens
         return sum(cost.prefill_seconds(r.computed * bt, r.input_length) for r in self.running
                    if isinstance(r, SimRequest))
+
+    # What waiting for loads cost a request: the time it spent in LOADING beyond the GPU's prefill backlog when it
+    # entered, which it would have queued behind had it computed its prefix instead. The report's load time of a
+    # timed replay (summary.summarize): bytes over bandwidth overstates a load the request rode while it queued.
+    def _wait_for_loads(self, req: Request, admitted: bool = False) -> None:
+        if isinstance(req, SimRequest):
+            req.loading_entry = (self.clock(), self.prefill_backlog_seconds())
+        super()._wait_for_loads(req, admitted)
+
+    def _start(self, req: Request) -> None:
+        if isinstance(req, SimRequest) and req.loading_entry is not None:
+            at, backlog = req.loading_entry
+            req.load_wait_s += max(0.0, self.clock() - at - backlog)
+            req.loading_entry = None
+        super()._start(req)
 
 
 @dataclass
@@ -150,7 +168,7 @@ class TimedReplay:
         self.ctrl.loads.clock = clock
         self.sched = BlockScheduler(self.ctrl, bt, t)
         self.sched.clock = clock
-        self.totals = ReplayTotals()
+        self.totals = ReplayTotals(load_wait_s=dict.fromkeys(TIERS, 0.0))
         self.arrivals: list[tuple[float, int, SimRequest]] = []  # heap: (time, seq, request)
         self._seq = 0
         self.decoding: list[SimRequest] = []
@@ -371,6 +389,8 @@ class TimedReplay:
             t.hit_blocks[tier] += hits[tier]
             t.hit_tokens[tier] += min(hits[tier] * bt, req.input_length)
         t.requests_with_disk_hit += hits[DISK] > 0
+        if req.load_wait_s and t.load_wait_s is not None:  # it waits for disk reads; for host copies without any
+            t.load_wait_s[DISK if hits[DISK] else HOST] += req.load_wait_s
         req.hits = hits
 
 

@@ -113,9 +113,12 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
         "block_tokens": setup.block_tokens,
         "block_bytes": bb,
     }
-    load_s = {"device": 0.0,
-              "host": t.hit_blocks["host"] * bb / cost.host_to_device_bytes_per_s,
-              "disk": t.hit_blocks["disk"] * bb / cost.disk_to_device_bytes_per_s}
+    # a load's cost: on the clock, what requests waited for their loads beyond the GPU's queue (a read made while a
+    # request queued costs it nothing, however slow the disk); without it, its bytes over the tier's bandwidth
+    load_s = dict(t.load_wait_s) if t.load_wait_s is not None else {
+        "device": 0.0,
+        "host": t.hit_blocks["host"] * bb / cost.host_to_device_bytes_per_s,
+        "disk": t.hit_blocks["disk"] * bb / cost.disk_to_device_bytes_per_s}
     # each hit token priced at its position (attention to the tokens before it): a tier's hits, prompts' first
     # tokens, save less than their share of the tokens
     saved = {k: t.hit_compute_s[k] - load_s[k] for k in TIERS}
@@ -124,6 +127,7 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
         "load_s": load_s,
         "saved_s": saved,
         "total_saved_s": sum(saved.values()),
+        "load_priced_by": "waits beyond the GPU queue" if t.load_wait_s is not None else "bytes / bandwidth",
         "prefill_tokens_per_s": cost.prefill_tokens_per_s,
         "attention_ns_per_pair": setup.attention_seconds_per_pair * 1e9,
         "host_to_device_gbps": cost.host_to_device_bytes_per_s / 1e9,
@@ -247,6 +251,8 @@ def format_table(s: dict[str, Any], title: str) -> str:
                  f"{sum(s['hit_tokens'].values()):>14,}{s['total_token_hit_rate']:>10.1%}{pt['total_saved_s']:>14,.1f}s")
     lines.append(f"{'of':<8}{s['blocks']:>12,}{'':>10}{s['tokens']:>14,}{'':>10}"
                  f"{pt['recompute_all_s']:>14,.1f}s (recompute all)")
+    lines.append(f"prefill saved: the hits' recompute time minus their load time, priced as "
+                 f"{pt.get('load_priced_by', 'bytes / bandwidth')}")
     lines.append("")
     lines.append(f"requests: {s['requests']:,}; with a disk hit: {s['requests_with_disk_hit']:,}; "
                  f"blocks matched but not served: {s['matched_not_served_blocks']:,}; "

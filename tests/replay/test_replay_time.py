@@ -10,9 +10,11 @@ import pytest
 
 from controller import WritePolicy
 from hicache.cli import main
+from hicache.replay.cli import cost_inputs
 from hicache.replay.core import ReplaySetup
 from hicache.replay.simulate import TimedReplay, TimeSetup, open_loop
 from hicache.replay.store import ReplayL3
+from hicache.replay.summary import summarize
 from hicache.replay.timed import SimClock, TimedCopier, TimedWorker
 from hicache.replay.trace import TraceRecord
 from hicache.server.metrics import ServerMetrics, decode_step_fit
@@ -122,6 +124,33 @@ def test_a_prefix_on_disk_waits_for_its_read_then_its_copy() -> None:
         assert again.hits == {"device": 0, "host": 0, "disk": 9}
         waited = again.first_token_at - again.arrival - 0.09 - last_block
         assert copy_s[0] - 1e-9 <= waited <= copy_s[1] + 1e-9
+
+
+def test_a_disk_hit_slower_to_read_than_to_recompute_saves_what_the_request_did_not_wait_for() -> None:
+    """Load mode auto, a disk at 20 MB/s: a 1 MB block takes 50 ms to read and 10-20 ms to recompute. A prompt pushed
+    to disk comes back behind three other prompts: its reads run while it queues, and it takes what has landed.
+    Priced at bytes over bandwidth those hits would cost more than they save; on the clock a load costs what the
+    request waited for it beyond the GPU's queue, so no tier's saving is negative, and neither is the wait."""
+    policy = WritePolicy("write_through", "write_through", defer_above_free=1.0, l3_admit="all", l3_host_share=1.0)
+    for running in (1, 64):
+        s = setup(device=22, host=20, disk=100, write_policy=policy, load_mode="auto", disk_to_device_bytes_per_s=2e7)
+        rep = TimedReplay(s, TimeSetup(decode_step_s=0.0, chunk_tokens=1000, disk_write_bytes_per_s=1e12,
+                                       max_running=running))
+        prompt, fillers = list(range(10)), [list(range(100 + 10 * i, 110 + 10 * i)) for i in range(6)]
+        open_loop(rep, [record(0, prompt, 1000)] + [record(1000 * (i + 1), fillers[i], 1000) for i in range(3)]
+                  + [record(4000, f, 1000) for f in fillers[3:]] + [record(4001, prompt, 1000)])
+        res = rep.run()
+        again = max(res.requests, key=lambda r: r.arrival)
+        t = rep.totals
+        assert again.hits["disk"] > 0 and t.hit_blocks["disk"] == again.hits["disk"]
+        assert t.hit_blocks["disk"] * 1_000_000 / 2e7 > t.hit_compute_s["disk"]  # bytes / bandwidth: a loss
+        assert t.load_wait_s is not None and t.load_wait_s["disk"] == pytest.approx(again.load_wait_s)
+        assert 0.0 <= again.load_wait_s < t.hit_compute_s["disk"]
+        pt = summarize(t, s, cost_inputs(s), None, None, 1000.0)["prefill_time"]
+        assert pt["load_priced_by"] == "waits beyond the GPU queue"
+        assert pt["load_s"]["disk"] == pytest.approx(again.load_wait_s)
+        assert pt["saved_s"]["disk"] == pytest.approx(t.hit_compute_s["disk"] - again.load_wait_s)
+        assert all(v >= 0.0 for v in pt["saved_s"].values()), pt["saved_s"]
 
 
 def test_hicache_replay_reports_predicted_time_and_sweeps_bandwidth(tmp_path: Path, capsys) -> None:
