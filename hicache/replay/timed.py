@@ -21,7 +21,7 @@ from typing import Any
 
 from hicache.replay.store import InlineWorker
 from tiers.copy import COMPLETED, TransferHandle
-from tiers.l3.worker import Completion
+from tiers.l3.worker import READ_PRIORITY_MAX_WAIT_S, Completion
 
 
 class SimClock:
@@ -108,7 +108,10 @@ class TimedWorker:
 
     `shared`: reads and writes take turns on one disk, reads first (a drive's bandwidth is shared); else each
     direction runs on its own (an L3 capped per direction, cache.l3.read_limit_gbps and write_limit_gbps, far below
-    what the drive does)."""
+    what the drive does), but a write batch still waits for reads to drain as the server's writer does (`_after_reads`):
+    on an L3 capped at 1 GB/s, reads streamed by prefetch held writes back, pages waiting for the disk were dropped
+    from the write queue, and host memory kept more of the sessions' prefixes than a replay without that wait
+    predicted (bench/RESULTS.md, 'Replay predicts time')."""
 
     def __init__(self, clock: SimClock, store: Any, page_bytes: int, read_bytes_per_s: float | None,
                  write_bytes_per_s: float | None, queue_pages: int = 4096, batch_pages: int = 32,
@@ -125,6 +128,7 @@ class TimedWorker:
         self._running: list[tuple[float, int, _DiskJob]] = []  # heap by end
         self._seq = 0
         self._queued_write_pages = 0  # submitted and not yet handed back
+        self._write_since: float | None = None  # when the write batch next in line began to wait for reads
         self.busy_s = {"read": 0.0, "write": 0.0}  # disk time spent on each
         self.reads: list[tuple[float, int]] = []  # (start in ms, pages) of each read, for the bandwidth report
 
@@ -171,7 +175,7 @@ class TimedWorker:
     def _run(self, now: float) -> None:
         """Start every job the disk takes up by `now`. Shared: at each moment the disk is free, the oldest read that
         has been submitted, else a batch of writes (up to batch_pages) that may start. Per direction: each queue
-        in order on its own channel."""
+        in order on its own channel, a write batch after the reads in flight (`_after_reads`)."""
         kinds = ("read",) if self.shared else ("read", "write")
         for channel in kinds:
             queues = ["read", "write"] if self.shared else [channel]
@@ -181,6 +185,10 @@ class TimedWorker:
                 if t > now:
                     break
                 kind = next(k for k in queues if k in heads and heads[k] <= t)
+                if not self.shared and kind == "write":
+                    t = self._after_reads(t)
+                    if t > now:
+                        break
                 queue = self._queues[kind]
                 batch = [queue.popleft()]
                 pages = batch[0].pages
@@ -189,6 +197,22 @@ class TimedWorker:
                     pages += queue[0].pages
                     batch.append(queue.popleft())
                 self._free_at[channel] = self._start(batch, t)
+
+    def _after_reads(self, t: float) -> float:
+        """When a write batch ready at t starts on its own channel: the server's writer yields to reads, starting no
+        batch while a read is queued or running, for at most READ_PRIORITY_MAX_WAIT_S (tiers/l3/worker.py). A later
+        read may extend the wait; `_run` asks again at each event."""
+        reads = self._queues["read"]
+        if self._free_at["read"] <= t and not (reads and reads[0].submitted <= t):
+            self._write_since = None
+            return t
+        if self._write_since is None:
+            self._write_since = t
+        idle = self._free_at["read"] if not reads else float("inf")
+        start = min(self._write_since + READ_PRIORITY_MAX_WAIT_S, max(t, idle))
+        if start <= self.clock.now:
+            self._write_since = None
+        return start
 
     def completions(self) -> list[Completion]:
         now = self.clock.now
@@ -204,9 +228,11 @@ class TimedWorker:
     def next_end(self) -> float | None:
         """When the disk next hands back a job (None: nothing is in flight or queued)."""
         self._run(self.clock.now)
+        # a write batch waiting for reads starts by the end of its wait at the latest
+        gate = [self._write_since + READ_PRIORITY_MAX_WAIT_S] if self._write_since is not None else []
         if self._running:
-            return self._running[0][0]
-        heads = [q[0].submitted for q in self._queues.values() if q]
+            return min([self._running[0][0], *gate])
+        heads = [q[0].submitted for q in self._queues.values() if q] + gate
         return min(heads) if heads else None  # queued behind a copy still landing: starts then
 
     def stage(self, pages: Sequence[Any]) -> list[Any] | None:

@@ -94,15 +94,43 @@ def test_a_disk_read_of_n_bytes_at_b_bytes_a_second_lands_after_n_over_b() -> No
     clock2.advance_to(0.03)
     assert [c.token for c in w.completions()] == ["w"] and w.queued_write_pages == 0
     assert w.busy_s == {"read": pytest.approx(0.01), "write": pytest.approx(0.02)}
-    # an L3 capped per direction: the two run side by side, each at its own rate
+    # an L3 capped per direction: a read that comes while a write batch runs runs beside it, each at its own rate
     clock3 = SimClock()
     apart = TimedWorker(clock3, ReplayL3(10, 1_000_000), 1_000_000, 1e8, 5e7, shared=False)
     assert apart.submit_write("w", [b"x"], [0])
+    assert apart.completions() == []  # the write starts at once: no read is queued or running
     apart.submit_read("r", [b"a"], [1])
     clock3.advance_to(0.01)
     assert [c.token for c in apart.completions()] == ["r"]
     clock3.advance_to(0.02)
     assert [c.token for c in apart.completions()] == ["w"]
+
+
+def test_a_write_capped_on_its_own_channel_yields_to_reads_for_at_most_a_second() -> None:
+    """As the server's writer (tiers/l3/worker.py): a write batch does not start while a read is queued or running,
+    however the L3 is capped, and waits for them at most READ_PRIORITY_MAX_WAIT_S (1 s). 1 MB pages, reads at 0.1 GB/s
+    (10 ms a page), writes at 0.05 GB/s (20 ms)."""
+    clock = SimClock()
+    w = TimedWorker(clock, ReplayL3(300, 1_000_000), 1_000_000, 1e8, 5e7, shared=False)
+    w.submit_read("r", [bytes([i]) for i in range(10)], list(range(10)))  # 100 ms
+    assert w.submit_write("w", [b"x"], [10])
+    assert w.next_end() == pytest.approx(0.1)
+    clock.advance_to(0.1)
+    assert [c.token for c in w.completions()] == ["r"]
+    assert w.next_end() == pytest.approx(0.12)  # the write: after the read, 20 ms
+    clock.advance_to(w.next_end())
+    assert [c.token for c in w.completions()] == ["w"]
+    # a read stream longer than a second: the write waits 1 s, then runs beside it
+    clock2 = SimClock()
+    w2 = TimedWorker(clock2, ReplayL3(300, 1_000_000), 1_000_000, 1e8, 5e7, shared=False)
+    w2.submit_read("long", [i.to_bytes(2, "big") for i in range(200)], list(range(200)))  # 2 s
+    assert w2.submit_write("w", [b"x"], [200])
+    assert w2.next_end() == pytest.approx(1.0)  # when the write's wait for reads runs out
+    clock2.advance_to(1.0)
+    assert w2.completions() == [] and w2.next_end() == pytest.approx(1.02)
+    clock2.advance_to(w2.next_end())
+    assert [c.token for c in w2.completions()] == ["w"]
+    assert w2.busy_s == {"read": pytest.approx(2.0), "write": pytest.approx(0.02)}
 
 
 def test_a_prefix_on_disk_waits_for_its_read_then_its_copy() -> None:
