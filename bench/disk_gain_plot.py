@@ -73,18 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # the capped tmpfs arms are the curve; the machine's disk is one point on it at its read speed, drawn apart (its
+    # writes share the drive, and its speed is an estimate); tmpfs without a cap is the curve's ceiling
+    capped = [x for x in pts if x[3] != "host12_l3disk"]
+    disk = [x for x in pts if x[3] == "host12_l3disk"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, col, title in ((axes[0], 1, "duration"), (axes[1], 2, "mean TTFT")):
-        ax.plot([x[0] for x in pts], [x[col] for x in pts], "o-", label="host 12 GiB + L3")
-        for arm, style in (("host48", "--"), ("host12", ":")):
+        ax.plot([x[0] for x in capped], [x[col] for x in capped], "o-", label="host 12 GiB + L3 on tmpfs, capped")
+        for x in disk:
+            ax.plot([x[0]], [x[col]], "*", color="tab:red", markersize=12,
+                    label=f"host 12 GiB + L3 on the disk (at {x[0]:g} GB/s)")
+        for arm, style, label in (("host48", "--", "host 48 GiB"), ("host12", ":", "host 12 GiB"),
+                                  ("host12_l3shm", "-.", "host 12 GiB + L3 on tmpfs, no cap")):
             if arm in baselines:
-                ax.axhline(baselines[arm][col - 1], linestyle=style, color="gray", label=arm.replace("host", "host "))
+                ax.axhline(baselines[arm][col - 1], linestyle=style, color="gray", label=label)
         ax.axhline(1.0, color="black", linewidth=0.8, label="GPU only")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("L3 bandwidth, GB/s each way")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("ratio to GPU only")
+    fig.suptitle(f"agent sessions{' (' + args.model_suffix.strip('_').upper() + ')' if args.model_suffix else ''}: "
+                 "the L3's gain by its bandwidth", fontsize=10)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
