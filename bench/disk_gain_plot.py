@@ -1,7 +1,7 @@
 """From which storage speed does the L3 pay, for my model? Duration and mean TTFT of the agent workload against the
 L3's bandwidth, from one `bash bench/gpu/run.sh agent` run (bench/RESULTS.md, 'The disk adds its bandwidth').
 
-    python3 bench/disk_gain_plot.py RUN_DIR [--out disk_gain.png] [--model-suffix _7b]
+    python3 bench/disk_gain_plot.py RUN_DIR [--out disk_gain.png] [--model-suffix _7b] [--label 8B]
 
 RUN_DIR holds the client reports `agent_ARM_I.json` of arms gpu_only, host48 and host12_l3shm_rN (the L3 on tmpfs
 capped at N GB/s each way), and optionally host12_l3disk (the machine's disk, drawn at --disk-gbps). Prints a
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="disk_gain.png", help="plot file (PNG)")
     p.add_argument("--model-suffix", default="", help="take the arms with this suffix, e.g. _7b")
     p.add_argument("--disk-gbps", type=float, help="draw host12_l3disk at this read bandwidth")
+    p.add_argument("--label", help="the model, for the title (default: the suffix, e.g. 7B)")
     args = p.parse_args(argv)
     pts, baselines = points(load_arms(args.run, args.model_suffix), args.disk_gbps)
     print("| arm | L3 GB/s | duration / GPU only | mean TTFT / GPU only |\n|---|---|---|---|")
@@ -93,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("ratio to GPU only")
-    fig.suptitle(f"agent sessions{' (' + args.model_suffix.strip('_').upper() + ')' if args.model_suffix else ''}: "
-                 "the L3's gain by its bandwidth", fontsize=10)
+    label = args.label or args.model_suffix.strip("_").upper()
+    fig.suptitle(f"agent sessions{' (' + label + ')' if label else ''}: the L3's gain by its bandwidth", fontsize=10)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
