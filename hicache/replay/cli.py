@@ -324,7 +324,7 @@ def replay_once(trace: Trace, setup: ReplaySetup, reuse: ReuseProfile | None, wi
     elapsed = time.perf_counter() - start
     summary = summarize(totals, setup, cost_inputs(setup), reuse, disk_stats, window_ms)
     if timing is not None:
-        summary["time"] = time_summary(result, timing[0], timing[1])
+        summary["time"] = time_summary(result, timing[0], timing[1], open_loop=sessions is None)
     summary["replay_seconds"] = elapsed
     summary["blocks_per_s"] = totals.blocks / elapsed if elapsed > 0 else None
     return summary

@@ -165,13 +165,36 @@ def summarize(totals: ReplayTotals, setup: ReplaySetup, cost: CostInputs, reuse:
     return out
 
 
-def time_summary(result: Any, t: Any, assumed: Sequence[str] = ()) -> dict[str, Any]:
-    """The time model's predictions (a simulate.TimedResult) and its inputs (a simulate.TimeSetup)."""
+# an open-loop trace is overloaded when the GPU is busy longer than its arrivals span and the first tokens of its
+# last quarter of requests wait at least this many times as long as those of its first quarter
+OVERLOAD_TTFT_GROWTH = 2.0
+
+
+def overload(result: Any) -> dict[str, float] | None:
+    """Whether arrivals at the trace's timestamps outpace the GPU (queues grow to the end, so TTFT says more about
+    the trace's length than about the tiers): the GPU's busy time against the arrivals' span, and the mean TTFT of
+    the first and last quarter of requests by arrival; None when it keeps up."""
+    reqs = sorted((r for r in result.requests if r.first_token_at is not None), key=lambda r: r.arrival)
+    if len(reqs) < 8:
+        return None
+    span = reqs[-1].arrival - reqs[0].arrival
+    q = len(reqs) // 4
+    first, last = (sum(r.first_token_at - r.arrival for r in part) / q for part in (reqs[:q], reqs[-q:]))
+    if span <= 0 or result.gpu_busy_s <= span or last < OVERLOAD_TTFT_GROWTH * first:
+        return None
+    return {"gpu_busy_s": result.gpu_busy_s, "arrival_span_s": span, "first_quarter_ttft_s": first,
+            "last_quarter_ttft_s": last}
+
+
+def time_summary(result: Any, t: Any, assumed: Sequence[str] = (), open_loop: bool = True) -> dict[str, Any]:
+    """The time model's predictions (a simulate.TimedResult) and its inputs (a simulate.TimeSetup). `open_loop`:
+    requests arrived at their timestamps (closed-loop sessions wait for their answers, so they cannot overload it)."""
     ttft = result.ttft_s
     duration = result.duration_s
     return {
         "duration_s": duration,
         "requests": len(result.requests),
+        "overloaded": overload(result) if open_loop else None,
         "ttft_s": {"mean": sum(ttft) / len(ttft) if ttft else None, **percentiles(ttft)},
         "gpu_busy_s": result.gpu_busy_s,
         "gpu_busy_share": result.gpu_busy_s / duration if duration > 0 else None,
@@ -209,6 +232,13 @@ def _time_lines(m: dict[str, Any]) -> list[str]:
              f"{m['disk_busy_s']['read']:,.2f} s, writes {m['disk_busy_s']['write']:,.2f} s; engine thread blocked on "
              f"copies {m['engine_blocked_s']:,.2f} s; preemptions {m['preemptions']:,}; disk reads given up "
              f"{m['gave_up_reads']:,}"]
+    over = m.get("overloaded")
+    if over:
+        lines.append(f"overloaded: the GPU is busy {over['gpu_busy_s']:,.0f} s for arrivals over "
+                     f"{over['arrival_span_s']:,.0f} s; queues grow to the end (mean TTFT "
+                     f"{over['first_quarter_ttft_s']:,.2f} s in the first quarter of requests, "
+                     f"{over['last_quarter_ttft_s']:,.2f} s in the last), so these times measure the backlog: this "
+                     "trace needs more GPU than this setup has")
     assumed = f" (assumed: {', '.join(inputs['assumed'])})" if inputs["assumed"] else ""
     write = f"{inputs['disk_write_gbps']:g} GB/s" if inputs["disk_write_gbps"] else "as reads"
     lines.append(f"time model: decode step {inputs['decode_step_ms']:g} ms + {inputs['decode_seq_ms']:g} ms a "

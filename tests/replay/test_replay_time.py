@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,7 +15,7 @@ from hicache.replay.cli import cost_inputs
 from hicache.replay.core import ReplaySetup
 from hicache.replay.simulate import TimedReplay, TimeSetup, open_loop
 from hicache.replay.store import ReplayL3
-from hicache.replay.summary import summarize
+from hicache.replay.summary import summarize, time_summary
 from hicache.replay.timed import SimClock, TimedCopier, TimedWorker
 from hicache.replay.trace import TraceRecord
 from hicache.server.metrics import ServerMetrics, decode_step_fit
@@ -179,6 +180,26 @@ def test_a_disk_hit_slower_to_read_than_to_recompute_saves_what_the_request_did_
         assert pt["load_s"]["disk"] == pytest.approx(again.load_wait_s)
         assert pt["saved_s"]["disk"] == pytest.approx(t.hit_compute_s["disk"] - again.load_wait_s)
         assert all(v >= 0.0 for v in pt["saved_s"].values()), pt["saved_s"]
+
+
+def test_arrivals_faster_than_the_gpu_computes_are_reported_as_overload() -> None:
+    """20 prompts of 1,000 tokens (about 0.15 s of prefill each) arriving every 50 ms: the GPU is busy 3 s for 0.95 s
+    of arrivals and the last quarter waits far longer than the first: overloaded. Arriving a second apart, or in a
+    closed loop, it is not."""
+    def run(gap_ms: float) -> tuple[TimedReplay, Any]:
+        rep = TimedReplay(setup(device=400), TimeSetup(decode_step_s=0.0, chunk_tokens=1000))
+        open_loop(rep, [record(i * gap_ms, list(range(100 * i, 100 * i + 10)), 1000) for i in range(20)])
+        return rep, rep.run()
+
+    _, res = run(50.0)
+    over = time_summary(res, TimeSetup())["overloaded"]
+    assert over is not None
+    assert over["gpu_busy_s"] == pytest.approx(20 * prefill(1000))
+    assert over["arrival_span_s"] == pytest.approx(0.95)
+    assert over["last_quarter_ttft_s"] > 2 * over["first_quarter_ttft_s"]
+    assert time_summary(res, TimeSetup(), open_loop=False)["overloaded"] is None
+    _, calm = run(1000.0)
+    assert time_summary(calm, TimeSetup())["overloaded"] is None
 
 
 def test_hicache_replay_reports_predicted_time_and_sweeps_bandwidth(tmp_path: Path, capsys) -> None:
