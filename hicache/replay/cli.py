@@ -108,7 +108,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-think", type=float, default=60.0, help="agent sessions: cap on that wait (s)")
     t.add_argument("--concurrency", type=int, help="agent sessions in flight at most (default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    # a replay leaves millions of tree nodes, heap entries and trace blocks: freeing them one by one at exit took
+    # half a second of the conversation trace's five; the command line skips that (hicache.cli.main)
+    p.set_defaults(func=run, exit_without_teardown=True)
 
 
 def _error(msg: str) -> int:

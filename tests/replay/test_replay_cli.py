@@ -328,3 +328,22 @@ def test_the_lru_model_rates_are_of_the_whole_trace_when_the_clock_refuses_promp
     r = json.loads(out.read_text())
     assert r["time"]["rejected_requests"] == 2 and r["requests"] == 2 and r["blocks"] == 6
     assert r["disk_sizing"]["ideal_hit_rate"] == pytest.approx(16 / 26)
+
+
+def test_the_command_line_ends_without_teardown_yet_flushes_its_report_and_keeps_its_exit_code(tmp_path: Path) -> None:
+    """`hicache replay` run as a command skips freeing its objects at exit (hicache.cli._exit_now): what it printed
+    and wrote still arrives whole, through pipes, and bad input still exits 2 with its error."""
+    import subprocess
+    import sys
+
+    trace = write(tmp_path / "t.jsonl", [mooncake(float(i), [1, 2, 10 + i]) for i in range(5)])
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "hicache.cli", "replay", trace, "--block-tokens", "4", "--device-tokens", "8",
+           "--no-progress", "--no-time", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "hicache replay:" in done.stdout and done.stdout.rstrip().splitlines()[-1].startswith("disk needed")
+    assert json.loads(out.read_text())["requests"] == 5
+    bad = subprocess.run([*cmd[:4], str(tmp_path / "missing.jsonl"), "--no-progress"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "cannot read trace" in bad.stderr
