@@ -147,6 +147,9 @@ class Replayer:
         # a server leaves at least one prompt token to compute, so it never uses a last full page
         max_pages = (rec.input_length - 1) // bt if server_log else None
         read_before = self.store.pages_read if self.store is not None else 0
+        # a request is an engine step: the server renews the step's slice of deferred GPU -> host copies each step,
+        # and without it the deferred backlog only ever moved when eviction forced it
+        ctrl.writes.begin_step()
         ticket = ctrl.acquire(ids, max_pages)
         if not ticket.ready():
             ctrl.wait_ticket(ticket)

@@ -298,3 +298,21 @@ def test_a_replay_decides_the_same_whatever_its_metadata_calls_take(monkeypatch)
     slow = Replayer(setup).run(records(trace))
     assert quick.hit_blocks[DISK] > 0
     assert slow.hit_blocks == quick.hit_blocks and slow.matched_not_served_blocks == quick.matched_not_served_blocks
+
+
+def test_each_request_is_a_step_that_renews_the_slice_of_deferred_backups() -> None:
+    """GPU -> host copies deferred while more than half of the GPU is free start in slices of FLUSH_SLICE_BYTES a
+    step once it fills (controller/writes.py), as on the server, where every engine step renews the slice. 512 MiB
+    blocks: a slice of 2 blocks (whole nodes: one node of 3); 20 GPU blocks; a node of 3 new blocks a request. From
+    the fourth request (12 blocks used) a request's own node is copied at commit and one waiting node more starts,
+    until none waits (6 host pages more a request): without a new slice per request the backlog stalled after the
+    first (host pages 0, 0, 0, 6, 9, 12)."""
+    policy = WritePolicy("write_through", "write_through", defer_above_free=0.5)
+    rep = Replayer(ReplaySetup(4, 20, host_blocks=100, block_bytes=1 << 29, write_policy=policy))
+    host_used, waiting = [], []
+    for i in range(6):
+        rep.step(TraceRecord(float(i), 12, 1, [100 * i + j for j in range(3)], 1))
+        host_used.append(100 - rep.controller.host.allocator.free_pages)
+        waiting.append(len(rep.controller.writes.deferred))
+    assert host_used == [0, 0, 0, 6, 12, 18]
+    assert waiting == [1, 2, 3, 2, 1, 0]
