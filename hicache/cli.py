@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hicache: L3 store error: {e.strerror or e}", file=sys.stderr)
             return 2
         raise
-    if argv is None and getattr(args, "exit_without_teardown", False):
+    # not under a profiler or tracer (cProfile, coverage): they write their results at exit
+    if argv is None and getattr(args, "exit_without_teardown", False) and sys.getprofile() is None \
+            and sys.gettrace() is None:
         _exit_now(code)
     return code
 
