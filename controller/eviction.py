@@ -276,6 +276,8 @@ class Eviction:
         stays."""
         if n > self.disk_capacity:
             return False
+        if self.tree.pages_in[2] + self.disk_inflight + n <= self.disk_capacity:
+            return True  # room already: no path to walk
         groups, strict = self.tree.quota_victims(DISK, writing.group if writing is not None else None, n)
         path: set[int] = set()
         while writing is not None:
