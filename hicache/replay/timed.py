@@ -189,6 +189,7 @@ class TimedWorker:
                     t = self._after_reads(t)
                     if t > now:
                         break
+                    self._write_since = None  # this batch starts: the next one's wait begins when it is next in line
                 queue = self._queues[kind]
                 batch = [queue.popleft()]
                 pages = batch[0].pages
@@ -204,15 +205,11 @@ class TimedWorker:
         read may extend the wait; `_run` asks again at each event."""
         reads = self._queues["read"]
         if self._free_at["read"] <= t and not (reads and reads[0].submitted <= t):
-            self._write_since = None
             return t
         if self._write_since is None:
             self._write_since = t
         idle = self._free_at["read"] if not reads else float("inf")
-        start = min(self._write_since + READ_PRIORITY_MAX_WAIT_S, max(t, idle))
-        if start <= self.clock.now:
-            self._write_since = None
-        return start
+        return min(self._write_since + READ_PRIORITY_MAX_WAIT_S, max(t, idle))
 
     def completions(self) -> list[Completion]:
         now = self.clock.now

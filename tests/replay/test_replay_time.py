@@ -132,6 +132,19 @@ def test_a_write_capped_on_its_own_channel_yields_to_reads_for_at_most_a_second(
     clock2.advance_to(w2.next_end())
     assert [c.token for c in w2.completions()] == ["w"]
     assert w2.busy_s == {"read": pytest.approx(2.0), "write": pytest.approx(0.02)}
+    # run to the end at once (the engine waits for the disk): each write's wait starts when it is next in line
+    clock3 = SimClock()
+    w3 = TimedWorker(clock3, ReplayL3(300, 1_000_000), 1_000_000, 1e8, 5e7, shared=False)
+    w3.submit_read("long", [i.to_bytes(2, "big") for i in range(200)], list(range(200)))
+    assert w3.submit_write("w", [b"x"], [200])
+    w3.wait_idle()
+    assert clock3.now == pytest.approx(2.0)
+    assert [c.token for c in w3.completions()] == ["w", "long"]  # the write ran from 1 s on, beside the read
+    w3.submit_read("r", [b"y"], [201])  # 10 ms
+    assert w3.submit_write("w2", [b"z"], [202])
+    clock3.advance_to(w3.next_end())
+    assert clock3.now == pytest.approx(2.01) and [c.token for c in w3.completions()] == ["r"]
+    assert w3.next_end() == pytest.approx(2.03)  # after the read, not 1 s after the first write's wait began
 
 
 def test_a_prefix_on_disk_waits_for_its_read_then_its_copy() -> None:
