@@ -108,8 +108,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-think", type=float, default=60.0, help="agent sessions: cap on that wait (s)")
     t.add_argument("--concurrency", type=int, help="agent sessions in flight at most (default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    # a replay leaves millions of tree nodes, heap entries and trace blocks: freeing them one by one at exit took
-    # half a second of the conversation trace's five; the command line skips that (hicache.cli.main)
+    # a replay leaves millions of tree nodes, heap entries and trace blocks: freeing them one by one at exit was a
+    # tenth of a large trace's run (bench/RESULTS.md, 'Offline replay'); the command line skips that (hicache.cli.main)
     p.set_defaults(func=run, exit_without_teardown=True)
 
 
@@ -414,7 +414,8 @@ def run(args: argparse.Namespace) -> int:
     reuse_s = time.perf_counter() - start
     gc.freeze()  # the trace and reuse profile live to the end: keep them out of the collector's scans
     # the tree's nodes and the heaps' entries churn by the hundred thousand and form no garbage cycles the replay
-    # depends on freeing: young-generation collections every 700 allocations were a tenth of its time
+    # depends on freeing: young-generation collections every 700 allocations were a tenth of its time (bench/RESULTS.md,
+    # 'Offline replay')
     thresholds = gc.get_threshold()
     gc.set_threshold(REPLAY_GC_THRESHOLD, *thresholds[1:])
     info = {"path": trace.path, "format": trace.format, "block_tokens": trace.block_tokens,
