@@ -147,31 +147,31 @@ class Replayer:
         # a server leaves at least one prompt token to compute, so it never uses a last full page
         max_pages = (rec.input_length - 1) // bt if server_log else None
         read_before = self.store.pages_read if self.store is not None else 0
-        # a request is an engine step: the server renews the step's slice of deferred GPU -> host copies each step,
-        # and without it the deferred backlog only ever moved when eviction forced it
-        ctrl.writes.begin_step()
-        ticket = ctrl.acquire(ids, max_pages)
-        if not ticket.ready():
-            ctrl.wait_ticket(ticket)
-        used = ticket.num_pages
-        usable = n if max_pages is None else min(n, max_pages)
-        matched_not_served = max(0, min(ticket.matched_pages, usable) - used)
-        new = n - used
-        # a server also holds GPU pages for the prompt's partial last page and the generated tokens (all
-        # but the last are computed): tokens [n * bt, input_length + output_length - 1), freed at the end
-        tail = -(-(rec.input_length + max(rec.output_length, 1) - 1) // bt) - n if server_log else 0
-        pages = ctrl.alloc_device(new + tail) if new + tail else []
-        if pages is None:  # blocks [used, n) do not all fit: commit the leading ones that do
-            room = ctrl.device.capacity_pages - used
-            pages = (ctrl.alloc_device(room) if room > 0 else None) or []
-        private = pages[new:]
-        pages = pages[:new]
-        if pages:
-            ctrl.commit(ticket, ids[: used + len(pages)], ticket.device_pages() + pages)
-        ctrl.release(ticket)
-        if private:
-            ctrl.free_device(private)
-        ctrl.poll()  # apply this request's L3 writes now, so the tree is settled between requests
+        # a request is one engine step (`TierController.step`): the server renews its slice of deferred GPU -> host
+        # copies every step, and without it the deferred backlog only ever moved when eviction forced it
+        with ctrl.step():
+            ticket = ctrl.acquire(ids, max_pages)
+            if not ticket.ready():
+                ctrl.wait_ticket(ticket)
+            used = ticket.num_pages
+            usable = n if max_pages is None else min(n, max_pages)
+            matched_not_served = max(0, min(ticket.matched_pages, usable) - used)
+            new = n - used
+            # a server also holds GPU pages for the prompt's partial last page and the generated tokens (all
+            # but the last are computed): tokens [n * bt, input_length + output_length - 1), freed at the end
+            tail = -(-(rec.input_length + max(rec.output_length, 1) - 1) // bt) - n if server_log else 0
+            pages = ctrl.alloc_device(new + tail) if new + tail else []
+            if pages is None:  # blocks [used, n) do not all fit: commit the leading ones that do
+                room = ctrl.device.capacity_pages - used
+                pages = (ctrl.alloc_device(room) if room > 0 else None) or []
+            private = pages[new:]
+            pages = pages[:new]
+            if pages:
+                ctrl.commit(ticket, ids[: used + len(pages)], ticket.device_pages() + pages)
+            ctrl.release(ticket)
+            if private:
+                ctrl.free_device(private)
+            ctrl.poll()  # apply this request's L3 writes now, so the tree is settled between requests
 
         hit_blocks = dict.fromkeys(TIERS, 0)
         hit_tokens = dict.fromkeys(TIERS, 0)

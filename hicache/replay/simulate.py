@@ -389,7 +389,8 @@ class TimedReplay:
             t.hit_blocks[tier] += hits[tier]
             t.hit_tokens[tier] += min(hits[tier] * bt, req.input_length)
         t.requests_with_disk_hit += hits[DISK] > 0
-        if req.load_wait_s and t.load_wait_s is not None:  # it waits for disk reads; for host copies without any
+        if req.load_wait_s:  # it waits for disk reads; for host copies without any
+            assert t.load_wait_s is not None  # a timed replay prices loads by waits (TimedReplay.__init__)
             t.load_wait_s[DISK if hits[DISK] else HOST] += req.load_wait_s
         req.hits = hits
 

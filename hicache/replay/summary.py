@@ -282,7 +282,7 @@ def format_table(s: dict[str, Any], title: str) -> str:
     lines.append(f"{'of':<8}{s['blocks']:>12,}{'':>10}{s['tokens']:>14,}{'':>10}"
                  f"{pt['recompute_all_s']:>14,.1f}s (recompute all)")
     lines.append(f"prefill saved: the hits' recompute time minus their load time, priced as "
-                 f"{pt.get('load_priced_by', 'bytes / bandwidth')}")
+                 f"{pt['load_priced_by']}")
     lines.append("")
     lines.append(f"requests: {s['requests']:,}; with a disk hit: {s['requests_with_disk_hit']:,}; "
                  f"blocks matched but not served: {s['matched_not_served_blocks']:,}; "
