@@ -1,11 +1,13 @@
 """From which storage speed does the L3 pay, for my model? Duration and mean TTFT of the agent workload against the
-L3's bandwidth, from one `bash bench/gpu/run.sh agent` run (bench/RESULTS.md, 'The disk adds its bandwidth').
+L3's bandwidth, from `bash bench/gpu/run.sh agent` runs (bench/RESULTS.md, 'The disk adds its bandwidth').
 
-    python3 bench/disk_gain_plot.py RUN_DIR [--out disk_gain.png] [--model-suffix _7b] [--label 8B]
+    python3 bench/disk_gain_plot.py RUN_DIR [RUN_DIR ...] [--out disk_gain.png] [--model-suffix _7b] [--label 8B]
 
-RUN_DIR holds the client reports `agent_ARM_I.json` of arms gpu_only, host48 and host12_l3shm_rN (the L3 on tmpfs
-capped at N GB/s each way), and optionally host12_l3disk (the machine's disk, drawn at --disk-gbps). Prints a
-markdown table of the ratios to GPU only and writes the plot (matplotlib, Agg).
+Each RUN_DIR holds the client reports `agent_ARM_I.json` of a gpu_only arm and some of host48 and host12_l3shm_rN
+(the L3 on tmpfs capped at N GB/s each way), and optionally host12_l3disk (the machine's disk, drawn at --disk-gbps).
+An arm is compared with the GPU-only arm of its own run, so that runs on different leases (a machine's speed moves
+between them) can share a plot; an arm in two runs is an error. Prints a markdown table of the ratios to GPU only and
+writes the plot (matplotlib, Agg).
 """
 
 from __future__ import annotations
@@ -52,15 +54,35 @@ def points(arms: dict[str, dict], disk_gbps: float | None) -> tuple[list[tuple[f
     return sorted(out), baselines
 
 
+def gather(runs: list[pathlib.Path], suffix: str, disk_gbps: float | None) -> tuple[list, dict]:
+    """`points` over several runs, each arm against its own run's GPU-only arm; an arm in two runs is an error."""
+    pts: list[tuple[float, float, float, str]] = []
+    baselines: dict[str, tuple[float, float]] = {}
+    where: dict[str, pathlib.Path] = {}
+    for run in runs:
+        arms = load_arms(run, suffix)
+        if "gpu_only" not in arms:
+            raise SystemExit(f"disk_gain_plot: no gpu_only arm in {run}: nothing to compare its arms with")
+        run_pts, run_baselines = points(arms, disk_gbps)
+        for arm in [x[3] for x in run_pts] + list(run_baselines):
+            if arm in where:
+                raise SystemExit(f"disk_gain_plot: arm {arm} is in two runs ({where[arm]} and {run}): keep one")
+            where[arm] = run
+        pts += run_pts
+        baselines.update(run_baselines)
+    return sorted(pts), baselines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run", type=pathlib.Path, help="folder of one agent run (the agent.tgz unpacked: .../agent)")
+    p.add_argument("run", type=pathlib.Path, nargs="+",
+                   help="folders of agent runs (an agent.tgz unpacked: .../agent), each with its gpu_only arm")
     p.add_argument("--out", default="disk_gain.png", help="plot file (PNG)")
     p.add_argument("--model-suffix", default="", help="take the arms with this suffix, e.g. _7b")
     p.add_argument("--disk-gbps", type=float, help="draw host12_l3disk at this read bandwidth")
     p.add_argument("--label", help="the model, for the title (default: the suffix, e.g. 7B)")
     args = p.parse_args(argv)
-    pts, baselines = points(load_arms(args.run, args.model_suffix), args.disk_gbps)
+    pts, baselines = gather(args.run, args.model_suffix, args.disk_gbps)
     print("| arm | L3 GB/s | duration / GPU only | mean TTFT / GPU only |\n|---|---|---|---|")
     for gbps, dur, ttft, arm in pts:
         print(f"| {arm} | {gbps:g} | {dur:.3f} | {ttft:.3f} |")

@@ -54,3 +54,27 @@ def test_a_run_without_gpu_only_or_rate_limited_arms_says_so(tmp_path, capsys):
     assert plot.main([str(run), "--out", str(tmp_path / "x.png")]) == 1
     assert "no rate-limited L3 arm" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_runs_of_two_leases_each_compared_with_their_own_gpu_only_arm(tmp_path, capsys):
+    plot = load_plot()
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    report(first / "agent_gpu_only_1.json", 100.0, 10_000.0)
+    report(first / "agent_host12_l3shm_r4_2.json", 55.0, 6_000.0)
+    report(first / "agent_host48_3.json", 30.0, 2_500.0)
+    report(second / "agent_gpu_only_1.json", 80.0, 8_000.0)
+    report(second / "agent_host12_l3shm_r1_2.json", 72.0, 6_000.0)
+    assert plot.main([str(first), str(second), "--out", str(tmp_path / "x.png")]) == 0
+    text = capsys.readouterr().out
+    assert "| host12_l3shm_r1 | 1 | 0.900 | 0.750 |" in text  # against 80 s, not the first run's 100 s
+    assert "| host12_l3shm_r4 | 4 | 0.550 | 0.600 |" in text and "| host48 | | 0.300 | 0.250 |" in text
+    report(second / "agent_host12_l3shm_r4_3.json", 40.0, 4_000.0)
+    with pytest.raises(SystemExit, match="host12_l3shm_r4 is in two runs"):
+        plot.main([str(first), str(second), "--out", str(tmp_path / "y.png")])
+    empty = tmp_path / "c"
+    empty.mkdir()
+    report(empty / "agent_host12_l3shm_r8_1.json", 40.0, 4_000.0)
+    with pytest.raises(SystemExit, match=f"no gpu_only arm in {empty}"):
+        plot.main([str(first), str(empty), "--out", str(tmp_path / "z.png")])
