@@ -174,6 +174,35 @@ def test_deferred_write_through_copies_on_eviction():
     h.check_all_bytes()
 
 
+def test_without_reuse_in_the_traffic_a_page_leaves_the_gpu_uncopied_unless_it_is_likely_read_again():
+    """A deferred copy made as a page leaves the GPU makes the engine wait for it (and every copy queued before it).
+    Where the traffic shows no reuse (controller/reuse.py) that wait buys nothing: a page with no sign of a reader
+    leaves without a copy. A page computed a second time has one, and is copied as before; so is every page while
+    the traffic reuses."""
+    policy = mechanics("write_through", "write_through", defer_above_free=0.0, l3_admit="reuse")
+    for share, copies in ((1.0, 1), (0.0, 0)):
+        h = Harness(device=5, host=16, disk=0, policy=policy)
+        h.ctrl.writes.reuse.traffic_reuse = share
+        h.run(seq(1, 2))
+        h.run(seq(2, 2))  # 1 page free: both deferred
+        h.run(seq(3, 2))  # evicts seq 1's last page
+        assert h.ctrl.stats.evictions[DEVICE] == 1 and h.ctrl.stats.eviction_backups == copies
+        assert h.ctrl.tree.match_prefix(seq(1, 2), touch=False).num_pages == 2 - (1 - copies)
+        h.check_all_bytes()
+    # the rule itself, on deferred pages (on the GPU only), the traffic showing no reuse
+    h = Harness(device=5, host=16, disk=0, policy=policy)
+    writes = h.ctrl.writes
+    writes.reuse.traffic_reuse = 0.0
+    h.run(seq(1, 2))
+    node = h.ctrl.tree.match_prefix(seq(1, 2), touch=False).last_node
+    assert (node.on_device, node.on_host) == (True, False) and not writes.copies_before_leaving(DEVICE, node)
+    node.hit_count = 1  # it was hit: likely read again
+    assert writes.copies_before_leaving(DEVICE, node)
+    node.hit_count = 0
+    writes.reuse.computed([node], continues_hit=True)  # computed again, continuing a hit: likely too
+    assert writes.copies_before_leaving(DEVICE, node)
+
+
 def test_gpu_eviction_takes_a_copied_leaf_before_an_older_one_it_would_wait_to_copy():
     """Freeing an uncopied leaf's GPU pages waits for its copy and every copy queued before it: a leaf already in host
     memory goes first, although it was used later."""
