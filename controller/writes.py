@@ -155,13 +155,13 @@ class Writes:
         return tier == DEVICE and self.to_host.defers and self._copies_on_leaving_gpu(node)
 
     def _copies_on_leaving_gpu(self, node: TreeNode) -> bool:
-        """Whether a node leaving the GPU gets a host copy first. Freeing its pages then waits for that copy and every
-        copy queued before it, so where the traffic shows no reuse (controller/reuse.py) only a node likely to be read
-        again gets one: no-reuse traffic with a host tier smaller than the GPU pool evicted the host copies of the
-        GPU's oldest pages, and every GPU eviction then waited for a fresh copy of bytes nobody reads (bench/RESULTS.md,
-        'No-reuse overhead')."""
+        """Whether a node leaving the GPU gets a host copy first; freeing its pages waits for it and every copy queued
+        before it. A deferred commit-time copy is made so only while the traffic reuses or the node is likely read
+        again (controller/reuse.py): no-reuse traffic made every GPU eviction wait for copies of bytes nobody reads
+        (bench/RESULTS.md, 'No-reuse overhead'). Write-back's copy on leaving, its only one, is always made: that share
+        misjudges traffic like the Mooncake sample's, and gating it halved the sample's host hits."""
         return (not node.on_host and self.to_host.on_evict(node) and self._host_copy_pays(node)
-                and (self.reuse.traffic_reuses() or self.reuse.likely(node)))
+                and (not self.to_host.defers or self.reuse.traffic_reuses() or self.reuse.likely(node)))
 
     def removed(self, node: TreeNode) -> None:
         """EvictionHook: a node removed with an ancestor leaves the writes waiting for the queue."""

@@ -26,7 +26,7 @@
 #              deferral in DEFERS [0.25 1.0]; cases NR_CASES [2k 32k] (32 x 2k in / 256 out, 8 x 32k in / 8 out);
 #              each server serves NR_REPEAT [3] rounds of fresh prompts (seeds 7, 8, ...), and the summary compares
 #              the medians over those rounds, so that one noisy round does not decide; PROFILE=1 adds an
-#              engine-thread profile of the 32k case with the tiers on; EXTRA as above
+#              engine-thread profile, over NR_REPEAT rounds, of the PROFILE_CASE [32k] case with the tiers on; EXTRA as above
 #   l3prefix   an 8,192-token prefix back from L3 against recomputing it: tiers off, auto, auto + overlap (ALWAYS=1
 #              adds always-load)
 #   inprocess  bench/gpu/tier_overhead.py, no server: the no-reuse cost of write-through (fresh and full GPU pool,
@@ -252,14 +252,16 @@ python3 -m hicache.cli bench multiturn --url \$URL --clients $clients --rounds 1
     done
   done
   rm -rf /tmp/hicache-l3-nr
-  if [ "${PROFILE:-0}" = 1 ]; then  # the engine thread of the 32k case with the tiers on, under cProfile
-    read -r clients len outlen <<<"${cases[32k]}"
-    serve prof_nr32k_on $((port + 20)) 120 "==|Error" "$on $EXTRA --profile-engine $OUT/nr32k_engine.prof" \
-      "python3 -m hicache.cli bench multiturn --url \$URL --clients $clients --rounds 1 --request-length $len \
---output-length $outlen --seed 7 --json \$OUT/prof_nr32k_on.json"
-    [ -f "$OUT/nr32k_engine.prof" ] && python3 -c "
-import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(45)" "$OUT/nr32k_engine.prof" \
-      >"$OUT/nr32k_engine.txt" 2>&1
+  if [ "${PROFILE:-0}" = 1 ]; then  # the engine thread of one case (PROFILE_CASE) with the tiers on, under cProfile
+    c=${PROFILE_CASE:-32k}
+    read -r clients len outlen <<<"${cases[$c]}"
+    serve "prof_nr${c}_on" $((port + 20)) 170 "==|Error" "$on $EXTRA --profile-engine $OUT/nr${c}_engine.prof" \
+      "for s in \$(seq 7 $((6 + ${NR_REPEAT:-3}))); do python3 -m hicache.cli bench multiturn --url \$URL \
+--clients $clients --rounds 1 --request-length $len --output-length $outlen --seed \$s \
+--json \$OUT/prof_nr${c}_on.s\$s.json || exit 1; done"
+    [ -f "$OUT/nr${c}_engine.prof" ] && python3 -c "
+import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(60); s.sort_stats('tottime').print_stats(40)" \
+      "$OUT/nr${c}_engine.prof" >"$OUT/nr${c}_engine.txt" 2>&1
     rm -rf /tmp/hicache-l3-nr
   fi
   python3 bench/gpu/noloss_summary.py "$OUT" 2>&1 | tee "$OUT/summary.txt"
