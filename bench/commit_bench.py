@@ -157,7 +157,8 @@ def digest(ctrl: TierController) -> str:
     """A fingerprint of where every page ended up and of the counters (equal before and after a pure speed-up)."""
     h = hashlib.sha256(json.dumps(ctrl.stats.snapshot(), sort_keys=True).encode())
     for node in sorted(ctrl.tree.nodes(), key=lambda n: n.keys[0]):
-        where = (node.keys[0], node.num_pages, node.loc[0], node.loc[1], node.lock_ref, node.pin_ref)  # None: no copy there
+        # node.loc[0], [1]: its GPU and host pages, None where it has no copy there
+        where = (node.keys[0], node.num_pages, node.loc[0], node.loc[1], node.lock_ref, node.pin_ref)
         h.update(repr(where).encode())
     return h.hexdigest()[:16]
 

@@ -201,6 +201,13 @@ def test_without_reuse_in_the_traffic_a_page_leaves_the_gpu_uncopied_unless_it_i
     node.hit_count = 0
     writes.reuse.computed([node], continues_hit=True)  # computed again, continuing a hit: likely too
     assert writes.copies_before_leaving(DEVICE, node)
+    # write-back's copy on leaving is its only one: made whatever the traffic
+    h = Harness(device=2, host=4, disk=0, policy=mechanics("write_back", "write_back", l3_admit="reuse"))
+    h.ctrl.writes.reuse.traffic_reuse = 0.0
+    h.run(seq(1, 2))
+    h.run(seq(2, 2))  # evicts seq 1 from the GPU: copied to host first
+    assert h.ctrl.stats.eviction_backups == 2 and h.run(seq(1, 2)) == {HOST: 2}
+    h.check_all_bytes()
 
 
 def test_gpu_eviction_takes_a_copied_leaf_before_an_older_one_it_would_wait_to_copy():

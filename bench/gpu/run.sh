@@ -24,9 +24,11 @@
 #              tokens; EXTRA: more serve flags for every arm; TRACE=FIRST:COUNT adds a host run under --trace-gpu
 #   noloss     no reuse: single-turn random prompts, tiers off, then host 16 GiB + L3 24 GiB once per write-through
 #              deferral in DEFERS [0.25 1.0]; cases NR_CASES [2k 32k] (32 x 2k in / 256 out, 8 x 32k in / 8 out);
-#              each server serves NR_REPEAT [3] rounds of fresh prompts (seeds 7, 8, ...), and the summary compares
-#              the medians over those rounds, so that one noisy round does not decide; PROFILE=1 adds an
-#              engine-thread profile, over NR_REPEAT rounds, of the PROFILE_CASE [32k] case with the tiers on; EXTRA as above
+#              each server serves NR_REPEAT [5] rounds of fresh prompts (seeds 7, 8, ...), and the summary compares
+#              the medians over those rounds, so that one noisy round does not decide (the 2k case fills the GPU pool
+#              in its fourth round: fewer rounds measure deferred copies only, not a full pool's steady state);
+#              PROFILE=1 adds an engine-thread profile, over NR_REPEAT rounds, of the PROFILE_CASE [32k] case with the
+#              tiers on; EXTRA as above
 #   l3prefix   an 8,192-token prefix back from L3 against recomputing it: tiers off, auto, auto + overlap (ALWAYS=1
 #              adds always-load)
 #   inprocess  bench/gpu/tier_overhead.py, no server: the no-reuse cost of write-through (fresh and full GPU pool,
@@ -238,7 +240,7 @@ noloss() {
   declare -A cases=([2k]="32 2048 256" [32k]="8 32768 8")
   nr() {  # name serve-flags
     port=$((port + 1))
-    serve "$1" $port 170 "==|Error" "$2 $EXTRA" "for s in \$(seq 7 $((6 + ${NR_REPEAT:-3}))); do \
+    serve "$1" $port 170 "==|Error" "$2 $EXTRA" "for s in \$(seq 7 $((6 + ${NR_REPEAT:-5}))); do \
 python3 -m hicache.cli bench multiturn --url \$URL --clients $clients --rounds 1 --request-length $len \
 --output-length $outlen --seed \$s --json \$OUT/$1.s\$s.json || exit 1; done"
   }
@@ -256,7 +258,7 @@ python3 -m hicache.cli bench multiturn --url \$URL --clients $clients --rounds 1
     c=${PROFILE_CASE:-32k}
     read -r clients len outlen <<<"${cases[$c]}"
     serve "prof_nr${c}_on" $((port + 20)) 170 "==|Error" "$on $EXTRA --profile-engine $OUT/nr${c}_engine.prof" \
-      "for s in \$(seq 7 $((6 + ${NR_REPEAT:-3}))); do python3 -m hicache.cli bench multiturn --url \$URL \
+      "for s in \$(seq 7 $((6 + ${NR_REPEAT:-5}))); do python3 -m hicache.cli bench multiturn --url \$URL \
 --clients $clients --rounds 1 --request-length $len --output-length $outlen --seed \$s \
 --json \$OUT/prof_nr${c}_on.s\$s.json || exit 1; done"
     [ -f "$OUT/nr${c}_engine.prof" ] && python3 -c "
