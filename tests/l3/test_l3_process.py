@@ -212,22 +212,3 @@ def test_slow_answers_are_counted_and_logged_without_flooding(caplog):
     assert abs(times.seconds - (2 * SLOW_CALL_S + 0.301)) < 1e-9
     slow = [r.getMessage() for r in caplog.records if "to answer" in r.getMessage()]
     assert len(slow) == 1 and "contains" in slow[0] and "/l3" in slow[0]
-
-
-def test_the_page_count_is_asked_of_the_child_only_once_something_may_have_changed_it(proc_and_host):
-    proc, host = proc_and_host
-    used = proc.store.used_pages()
-    before = proc.call_times.calls
-    assert [proc.store.used_pages() for _ in range(5)] == [used] * 5
-    assert proc.call_times.calls == before  # nothing changed the store: no round trip to the child
-    assert proc.store.contains(_keys(2, 400)) == [False, False]  # a call that changes nothing
-    assert proc.store.used_pages() == used and proc.call_times.calls == before + 1
-    assert proc.worker.submit_write("u", _keys(2, 400), [host.page_view(p) for p in range(2)])
-    assert [c.results for c in _wait(proc.worker)] == [[True, True]]
-    assert proc.store.used_pages() == used + 2  # a write through the worker: asked again
-    proc.store.delete(_keys(1, 400), wait=False)  # one way, unanswered, and still counted as a change
-    assert proc.store.used_pages() == used + 1
-    assert proc.store.delete(_keys(1, 401), wait=True) == 1
-    assert proc.store.used_pages() == used
-    calls = proc.call_times.calls
-    assert proc.store.used_pages() == used and proc.call_times.calls == calls

@@ -22,9 +22,6 @@ from tiers.l3.worker import Completion
 
 logger = logging.getLogger(__name__)
 
-# store calls that leave the store's pages as they are: any other call, and any message to the child's worker or from
-# it, may change them (`ChildLink.changes`)
-READ_ONLY_CALLS = frozenset({"contains", "used_pages", "keys", "stats", "flush", "check_integrity", "shared_pages"})
 SLOW_CALL_S = 0.25  # a store call answered slower than this is logged (at most once per SLOW_CALL_LOG_S)
 SLOW_CALL_LOG_S = 10.0
 
@@ -65,9 +62,6 @@ class ChildLink:
         self.send_lock = threading.Lock()
         self.gone: str | None = None
         self.on_gone: list[Callable[[], None]] = []
-        # counts what may have changed the store's pages: store calls but READ_ONLY_CALLS, messages to the worker
-        # (writes, reads) and completions from it; `StoreProxy.used_pages` asks again only once it has moved
-        self.changes = 0
 
     def lost(self, why: str) -> None:
         if self.gone is not None:
@@ -84,8 +78,6 @@ class ChildLink:
         """A store call in the child; `default` once it is gone. Errors it raised there are raised here."""
         if self.gone is not None:
             return default
-        if method not in READ_ONLY_CALLS:
-            self.changes += 1
         with self.rpc_lock:
             start = time.perf_counter()
             try:
@@ -107,7 +99,6 @@ class ChildLink:
     def send(self, message: tuple[Any, ...]) -> bool:
         if self.gone is not None:
             return False
-        self.changes += 1
         with self.send_lock:
             try:
                 self.async_conn.send(message)
@@ -148,7 +139,6 @@ class StoreProxy:
         self.path = owner.path
         if info.get("shared"):  # a remote tier behind it: hits it serves are told apart (tiers/persistent.py)
             self.shared_pages = self._shared_pages
-        self._used: tuple[ChildLink, int, int] | None = None  # (link, its `changes`, the page count it answered)
 
     @property
     def _link(self) -> ChildLink:
@@ -162,18 +152,7 @@ class StoreProxy:
         return self._link.call("contains", list(keys), default=[False] * len(keys))
 
     def used_pages(self) -> int:
-        """The store's page count, asked of the child only when something may have changed it since its last answer
-        (`ChildLink.changes`). The engine refreshes its stats after every step that finishes a request, and a round
-        trip to the child each time cost the engine thread about a millisecond a request with no page written or
-        read (bench/RESULTS.md, 'No-reuse overhead')."""
-        link = self._link
-        changes = link.changes  # read before asking: a change while the call is answered makes the next one ask
-        if self._used is not None and self._used[0] is link and self._used[1] == changes:
-            return self._used[2]
-        value = link.call("used_pages", default=0)
-        if link.gone is None:
-            self._used = (link, changes, value)
-        return value
+        return self._link.call("used_pages", default=0)
 
     def keys(self) -> list[bytes]:
         return self._link.call("keys", default=[])
@@ -378,7 +357,6 @@ class WorkerProxy:
             while ready:
                 message = conn.recv()
                 if message[0] == "done":
-                    self._link.changes += 1
                     self._complete(message[1])
                 ready = conn.poll(0)
         except (EOFError, OSError) as e:
