@@ -276,7 +276,7 @@ class Eviction:
         stays."""
         if n > self.disk_capacity:
             return False
-        if self.tree.pages_in[2] + self.disk_inflight + n <= self.disk_capacity:
+        if self._disk_over(n) <= 0:
             return True  # room already: no path to walk
         groups, strict = self.tree.quota_victims(DISK, writing.group if writing is not None else None, n)
         path: set[int] = set()
@@ -287,7 +287,7 @@ class Eviction:
         # prefetch whose request was admitted without it, or left, no longer pins it)
         reading = self.transfers.disk_load
         skip = lambda node: node.id in path or reading(node) is not None  # noqa: E731
-        while (over := self.tree.pages_in[2] + self.disk_inflight + n - self.disk_capacity) > 0:
+        while (over := self._disk_over(n)) > 0:
             node = self.tree.pop_evictable(DISK, skip, groups)
             if node is None and groups is not None and not strict:
                 groups = None
@@ -296,6 +296,10 @@ class Eviction:
                 return False
             self.evict_node(DISK, self._tail(node, over))
         return True
+
+    def _disk_over(self, n: int) -> int:
+        """Pages by which n more on disk would exceed its capacity (pages on disk and queued for it count)."""
+        return self.tree.pages_in[2] + self.disk_inflight + n - self.disk_capacity
 
     def free_nodes(self, nodes: Sequence[TreeNode]) -> None:
         """Free every page of nodes the tree removed, in every tier."""

@@ -22,17 +22,20 @@ def report(path: pathlib.Path, duration: float, ttft_ms: float) -> None:
     path.write_text(json.dumps({"overall": {"duration_s": duration, "ttft_ms": {"mean": ttft_ms}}}))
 
 
+def make_run(path: pathlib.Path, arms: dict[str, tuple[float, float]]) -> pathlib.Path:
+    """A run folder with one client report per arm (`ARM_I`: duration s, mean TTFT ms)."""
+    path.mkdir()
+    for name, (duration, ttft_ms) in arms.items():
+        report(path / f"agent_{name}.json", duration, ttft_ms)
+    return path
+
+
 def test_ratios_by_bandwidth_table_and_plot(tmp_path, capsys):
     plot = load_plot()
-    run = tmp_path / "agent"
-    run.mkdir()
-    report(run / "agent_gpu_only_1.json", 100.0, 10_000.0)
-    report(run / "agent_host48_2.json", 30.0, 2_500.0)
-    report(run / "agent_host12_l3shm_r16_3.json", 33.0, 3_000.0)
-    report(run / "agent_host12_l3shm_r4_4.json", 55.0, 6_000.0)
-    report(run / "agent_host12_l3disk_5.json", 80.0, 9_000.0)
-    report(run / "agent_gpu_only_7b_6.json", 50.0, 4_000.0)
-    report(run / "agent_host12_l3shm_r4_7b_7.json", 25.0, 1_000.0)
+    run = make_run(tmp_path / "agent", {
+        "gpu_only_1": (100.0, 10_000.0), "host48_2": (30.0, 2_500.0), "host12_l3shm_r16_3": (33.0, 3_000.0),
+        "host12_l3shm_r4_4": (55.0, 6_000.0), "host12_l3disk_5": (80.0, 9_000.0), "gpu_only_7b_6": (50.0, 4_000.0),
+        "host12_l3shm_r4_7b_7": (25.0, 1_000.0)})
     out = tmp_path / "gain.png"
     assert plot.main([str(run), "--out", str(out), "--disk-gbps", "1.9"]) == 0
     text = capsys.readouterr().out
@@ -58,14 +61,9 @@ def test_a_run_without_gpu_only_or_rate_limited_arms_says_so(tmp_path, capsys):
 
 def test_runs_of_two_leases_each_compared_with_their_own_gpu_only_arm(tmp_path, capsys):
     plot = load_plot()
-    first, second = tmp_path / "a", tmp_path / "b"
-    first.mkdir()
-    second.mkdir()
-    report(first / "agent_gpu_only_1.json", 100.0, 10_000.0)
-    report(first / "agent_host12_l3shm_r4_2.json", 55.0, 6_000.0)
-    report(first / "agent_host48_3.json", 30.0, 2_500.0)
-    report(second / "agent_gpu_only_1.json", 80.0, 8_000.0)
-    report(second / "agent_host12_l3shm_r1_2.json", 72.0, 6_000.0)
+    first = make_run(tmp_path / "a", {"gpu_only_1": (100.0, 10_000.0), "host12_l3shm_r4_2": (55.0, 6_000.0),
+                                      "host48_3": (30.0, 2_500.0)})
+    second = make_run(tmp_path / "b", {"gpu_only_1": (80.0, 8_000.0), "host12_l3shm_r1_2": (72.0, 6_000.0)})
     assert plot.main([str(first), str(second), "--out", str(tmp_path / "x.png")]) == 0
     text = capsys.readouterr().out
     assert "| host12_l3shm_r1 | 1 | 0.900 | 0.750 |" in text  # against 80 s, not the first run's 100 s
@@ -73,8 +71,6 @@ def test_runs_of_two_leases_each_compared_with_their_own_gpu_only_arm(tmp_path, 
     report(second / "agent_host12_l3shm_r4_3.json", 40.0, 4_000.0)
     with pytest.raises(SystemExit, match="host12_l3shm_r4 is in two runs"):
         plot.main([str(first), str(second), "--out", str(tmp_path / "y.png")])
-    empty = tmp_path / "c"
-    empty.mkdir()
-    report(empty / "agent_host12_l3shm_r8_1.json", 40.0, 4_000.0)
+    empty = make_run(tmp_path / "c", {"host12_l3shm_r8_1": (40.0, 4_000.0)})
     with pytest.raises(SystemExit, match=f"no gpu_only arm in {empty}"):
         plot.main([str(first), str(empty), "--out", str(tmp_path / "z.png")])

@@ -257,10 +257,7 @@ python3 -m hicache.cli bench multiturn --url \$URL --clients $clients --rounds 1
   if [ "${PROFILE:-0}" = 1 ]; then  # the engine thread of one case (PROFILE_CASE) with the tiers on, under cProfile
     c=${PROFILE_CASE:-32k}
     read -r clients len outlen <<<"${cases[$c]}"
-    serve "prof_nr${c}_on" $((port + 20)) 170 "==|Error" "$on $EXTRA --profile-engine $OUT/nr${c}_engine.prof" \
-      "for s in \$(seq 7 $((6 + ${NR_REPEAT:-5}))); do python3 -m hicache.cli bench multiturn --url \$URL \
---clients $clients --rounds 1 --request-length $len --output-length $outlen --seed \$s \
---json \$OUT/prof_nr${c}_on.s\$s.json || exit 1; done"
+    nr "prof_nr${c}_on" "$on --profile-engine $OUT/nr${c}_engine.prof"  # (noloss_summary.py reads nr*.s*.json only)
     [ -f "$OUT/nr${c}_engine.prof" ] && python3 -c "
 import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(60); s.sort_stats('tottime').print_stats(40)" \
       "$OUT/nr${c}_engine.prof" >"$OUT/nr${c}_engine.txt" 2>&1
