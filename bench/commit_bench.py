@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from controller import CostModel, L3Worker, TierController, WritePolicy
-from controller.writes import FLUSH_SLICE_BYTES
+from controller.backups import FLUSH_SLICE_BYTES
 from radix import RadixTree, namespace_fingerprint
 from tiers import DevicePool, HostPool, KVLayout, PageCopier
 

@@ -17,7 +17,7 @@ back (newest first), so it never delays a likely page's write (controller/writes
 the decayed share of requests whose prompt started with a cached prefix: traffic without reuse (one-off requests,
 the no-reuse case) drives it under TRAFFIC_REUSE_MIN within 44 requests, and its pages are then not written, so it
 costs the disk nothing; nor are those whose host copy was deferred copied on their way out of the GPU, a copy the
-engine would wait for (controller/writes.py, `_copies_on_leaving_gpu`). How fast the writes that pass go is the
+engine would wait for (controller/backups.py, `_copies_on_leaving_gpu`). How fast the writes that pass go is the
 write queue's business: bounded (`cache.l3.queue_pages`, `write_policy.l3_host_share`) and behind reads on the I/O
 threads.
 """

@@ -9,10 +9,10 @@ computed (`on_commit`), it was hit again (`on_hit`), or it is about to leave its
 - `WriteBack` copies on eviction;
 - `NoWrites` stands for a tier that is absent.
 
-GPU -> host copies go through the copier; host -> L3 writes through the L3 worker's bounded queue.
-A node larger than the largest write the queue takes is split and written in parts. A write the full
-queue refuses waits, oldest first, until the queue has room (`drain_waiting`, each poll): bursts of new pages (a
-long first prompt) outrun the disk for a while without losing their writes. Only a page that leaves host memory
+GPU -> host copies are `HostBackups`' (controller/backups.py), the base class; host -> L3 writes go through the L3
+worker's bounded queue. A node larger than the largest write the queue takes is split and written in parts. A write
+the full queue refuses waits, oldest first, until the queue has room (`drain_waiting`, each poll): bursts of new
+pages (a long first prompt) outrun the disk for a while without losing their writes. Only a page that leaves host memory
 before its turn comes is dropped then, as `l3_queue_full`. A write that cannot be made is dropped and counted in
 `stats.drops` by reason: `host_full`, `l3_queue_full`, `disk_full`, `l3_gone` (the L3 process died), `not_reused`
 (nothing suggests it will be read again, and the disk has no bandwidth to spare: `WritePolicy.l3_admit`,
@@ -25,10 +25,10 @@ cannot be backed up to host: the write's pin would hold it there), and for what 
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+from controller.backups import HostBackups
 from controller.eviction import Eviction
 from controller.ports import L3, Copier, HostTier, Pool, Worker, page_buffers
 from controller.reuse import ReuseFilter
@@ -36,13 +36,10 @@ from controller.stats import CacheStats
 from controller.transfers import AllTransfers, Transfers
 from controller.write_policies import TierWrites
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
-from tiers.copy import COMPLETED, TransferHandle
+from tiers.copy import TransferHandle
 from tiers.l3.worker import Completion
 
 logger = logging.getLogger(__name__)
-
-# a full host tier refusing backups is reported (with the host census) at most this often
-HOST_FULL_REPORT_S = 10.0
 
 # L3 writes waiting for their turn (unpinned, but leaving host memory last) hold at most this many times the host
 # pages queued writes may pin (WritePolicy.l3_host_share); past that a write is dropped as `l3_backlog`
@@ -54,39 +51,22 @@ SPARE_LATER_NODES = 4096
 # the store's reasons for refusing a page (L3Store.write_pages_detailed) -> the drop they are counted as
 WRITE_REFUSALS = {"not_admitted": "not_admitted", "busy": "l3_busy", "degraded": "l3_degraded"}
 
-# A deferred write-through backlog starts at most about this many bytes per engine step (`begin_step`). Starting
-# a whole backlog at once (24 GB after a 32k-token burst on the H200) queued thousands of copy operations: the
-# engine thread then blocked in CUDA launches until the copy engines drained. 1 GiB is ~20 ms of PCIe 5 copying.
-FLUSH_SLICE_BYTES = 1 << 30
-
-
-class Writes:
+class Writes(HostBackups):
     """The write mechanism under two strategies, `to_host` and `to_disk` (see the module doc)."""
 
     def __init__(self, tree: RadixTree, device: Pool, host: HostTier, l3: L3, copier: Copier,
                  worker: Worker, eviction: Eviction, transfers: Transfers, stats: CacheStats,
                  to_host: TierWrites, to_disk: TierWrites, page_bytes: int, staging_share: float = 1.0,
                  reuse: ReuseFilter | None = None):
-        self.tree = tree
-        self.device = device
-        self.host = host
+        super().__init__(tree, device, host, copier, eviction, transfers, stats, to_host, page_bytes, reuse)
         self.l3 = l3
-        self.copier = copier
         self.worker = worker
-        self.eviction = eviction
-        self.transfers = transfers
-        self.stats = stats
-        self.to_host = to_host
         self.to_disk = to_disk
-        self.page_bytes = page_bytes
         # host pages that queued L3 writes may pin (WritePolicy.l3_host_share): the rest of host memory stays room
         # for GPU -> host copies and reads, however slowly the disk drains its queue
         self.staging_pages = max(1, int(staging_share * host.capacity_pages))
         # the largest write the L3 queue takes whole: a larger node is written in parts
         self.max_write_pages = max(1, min(worker.queue_pages, self.staging_pages))
-        self.deferred: deque[TreeNode] = deque()  # committed nodes whose copy to host waits (oldest first)
-        self.flush_slice_pages = max(1, FLUSH_SLICE_BYTES // max(1, page_bytes))  # see FLUSH_SLICE_BYTES
-        self._flush_budget = self.flush_slice_pages  # backlog pages this step may still start (begin_step renews)
         # nodes whose L3 write waits for room in the queue, oldest first, and the ids of every node (split parts
         # included) still waiting: see the module doc
         self.waiting_disk: deque[TreeNode] = deque()
@@ -95,13 +75,10 @@ class Writes:
         # nodes without a likely reader whose write found no spare room: written, newest first, once the disk has
         # room again (`drain_spare`, each poll), forgotten when they leave host memory (controller/reuse.py)
         self._spare: OrderedDict[int, TreeNode] = OrderedDict()
-        self._host_full_reported = float("-inf")
         tree.split_listeners.append(self._split)
         eviction.hook = self
         eviction.write_pending = lambda node: node.id in self._waiting
         eviction.pending_nodes = lambda: list(self._waiting.values())
-        # which pages the L3 takes: those likely to be read again (WritePolicy.l3_admit)
-        self.reuse = reuse if reuse is not None else ReuseFilter("all")
 
     # ------------------------------------------------------------------ events
 
@@ -117,8 +94,7 @@ class Writes:
             self.stats.deferred_pages += sum(n.num_pages for n in nodes)
             return
         self.flush_slice()
-        for node in nodes:
-            self.backup_to_host(node)
+        self.backup_nodes(nodes)
 
     def hit(self, nodes: Sequence[TreeNode]) -> None:
         """A request used these nodes: copies the policies make on hits, and retries of refused write-through."""
@@ -154,26 +130,10 @@ class Writes:
         copied when it leaves, and the order of leaving cannot spare a copy."""
         return tier == DEVICE and self.to_host.defers and self._copies_on_leaving_gpu(node)
 
-    def _copies_on_leaving_gpu(self, node: TreeNode) -> bool:
-        """Whether a node leaving the GPU gets a host copy first; freeing its pages waits for it and every copy queued
-        before it. A deferred commit-time copy is made so only while the traffic reuses or the node is likely read
-        again (controller/reuse.py): no-reuse traffic made every GPU eviction wait for copies of bytes nobody reads
-        (bench/RESULTS.md, 'No-reuse overhead'). Write-back's copy on leaving, its only one, is always made: that share
-        misjudges traffic like the Mooncake sample's, and gating it halved the sample's host hits."""
-        return (not node.on_host and self.to_host.on_evict(node) and self._host_copy_pays(node)
-                and (not self.to_host.defers or self.reuse.traffic_reuses() or self.reuse.likely(node)))
-
     def removed(self, node: TreeNode) -> None:
         """EvictionHook: a node removed with an ancestor leaves the writes waiting for the queue."""
         if self._unwait(node) and not node.on_disk:
             self.stats.drops["l3_queue_full"] += node.num_pages  # removed before its turn
-
-    def _host_copy_pays(self, node: TreeNode) -> bool:
-        """Whether a node still on the GPU should get a host copy now (leaving the GPU, or hit again). A node
-        the L3 holds gets one only in free host pages: evicting other host pages for it trades one cached copy
-        for another and costs a copy. Under load that churn (a running prefix's host copy evicted for new pages,
-        then copied back when the prefix left the GPU) cost the engine thread ~10 s of a 60 s run."""
-        return not node.on_disk or self.host.allocator.free_pages >= node.num_pages
 
     def _split(self, upper: TreeNode, lower: TreeNode) -> None:
         if lower.id in self._waiting:
@@ -181,83 +141,15 @@ class Writes:
         if lower.id in self._spare:
             self._spare[upper.id] = upper
 
-    # ------------------------------------------------------------------ deferred write-through
+    # ------------------------------------------------------------------ host -> L3
 
-    def deferring(self) -> bool:
-        """Whether new commit-time copies wait: the policy defers and the GPU pool has room to spare."""
-        t = self.to_host
-        return t.defers and self.device.allocator.free_pages > t.defer_above_free * self.device.capacity_pages
-
-    def begin_step(self) -> None:
-        """The engine starts a step: renew the step's slice of the deferred backlog (`flush_slice_pages`)."""
-        self._flush_budget = self.flush_slice_pages
-
-    def allocated(self) -> None:
-        """GPU pages were handed out: once the pool is no longer roomy, start this step's slice of the backlog."""
-        if self.deferred and not self.deferring():
-            self.flush_slice()
-
-    def flush_slice(self) -> None:
-        """Start what is left of this step's slice of the deferred backlog."""
-        if self.deferred and self._flush_budget > 0:
-            self._flush_budget -= self.flush_backups(self._flush_budget)
-
-    def flush_backups(self, limit: int | None = None) -> int:
-        """Start deferred copies, oldest first, until `limit` pages (whole nodes; None: all) have started;
-        returns the pages copied.
-
-        A queued node may have been split since (its upper part is then an ancestor, which may still wait
-        after the lower part was evicted), evicted, or copied already. So each queued node's path is walked
-        up to the first GPU node with a host copy.
-        """
-        copied = 0
-        while self.deferred and (limit is None or copied < limit):
-            chain = []
-            walk: TreeNode | None = self.deferred.popleft()
-            while walk is not None and not walk.removed and (not walk.on_device or not walk.on_host):
-                if walk.on_device:
-                    chain.append(walk)
-                walk = walk.parent
-            for node in reversed(chain):
-                if self.backup_to_host(node):
-                    copied += node.num_pages
-        return copied
-
-    # ------------------------------------------------------------------ the copies
-
-    def backup_to_host(self, node: TreeNode) -> bool:
-        """Copy a node's GPU pages to new host pages; False (counted) if the host is full."""
-        if node.on_host or not node.on_device:
-            return node.on_host
-        if self.transfers.failed(node) or not self.transfers.ready(node):
-            return False  # its own load is in flight (or failed): nothing to back up yet
-        n = node.num_pages
-        host_pages = self.eviction.allocate(HOST, n, protect=node, group=node.group)
-        if host_pages is None:
-            self.stats.drops["host_full"] += n
-            self._report_host_full(n)
-            return False
-        handle = self.copier.to_host(node.device_pages, host_pages)
-        if handle is not COMPLETED:
-            self.transfers.backups.update(dict.fromkeys(node.device_pages, handle))
-            self.transfers.host_fills.update(dict.fromkeys(host_pages, handle))
-        self.tree.set_location(node, HOST, host_pages)
-        self.stats.moved(DEVICE, HOST, n, self.page_bytes)
+    def copied_to_host(self, node: TreeNode, handle: TransferHandle) -> None:
+        """HostBackups: a node's host copy was started; a policy writing at commit writes it on once it lands."""
         if self.to_disk.on_commit(node):
             self.write_to_disk(node, handle)
-        return True
 
-    def _report_host_full(self, n: int) -> None:
-        """Say why the host tier had no room for a backup (rate-limited): what holds its pages."""
-        now = time.monotonic()
-        if now - self._host_full_reported < HOST_FULL_REPORT_S:
-            return
-        self._host_full_reported = now
-        census = self.eviction.host_census()
-        logger.warning("host tier full: a GPU -> host copy of %d pages found no room (host_full drops so far: %d "
-                       "pages); host pages now: %s; L3 writes waiting for the queue: %d pages", n,
-                       self.stats.drops["host_full"], ", ".join(f"{k} {v}" for k, v in census.items() if v),
-                       self.waiting_disk_pages)
+    def _host_full_detail(self) -> str:
+        return f"L3 writes waiting for the queue: {self.waiting_disk_pages} pages"
 
     def write_to_disk(self, node: TreeNode, handle: TransferHandle | None = None, bounce: bool = False) -> bool:
         """Queue L3 writes of a node's host pages, in parts of at most `max_write_pages`; True if all of it is

@@ -267,6 +267,49 @@ def test_deferred_backlog_starts_a_slice_per_step():
     h.check_all_bytes()
 
 
+class CountingCopier(PageCopier):
+    """The reference copier, recording the pages of each GPU -> host call."""
+
+    def __init__(self, device_pool, host_pool):
+        super().__init__(device_pool, host_pool)
+        self.to_host_calls: list[int] = []
+
+    def to_host(self, device_pages, host_pages, *args, **kwargs):
+        self.to_host_calls.append(len(device_pages))
+        return super().to_host(device_pages, host_pages, *args, **kwargs)
+
+
+def test_a_deferred_backlog_goes_to_the_copier_in_one_call():
+    """The copier's cost on the engine thread is per call: a flushed backlog of several nodes, split parts included,
+    is copied by one call, and every page lands where the tree says."""
+    h = Harness(device=32, host=16, disk=0, policy=DEFER, copier=CountingCopier)
+    h.run(seq(1, 4))
+    h.run(seq(1, 4)[: 2 * LAYOUT.page_size] + [5] * 2 * LAYOUT.page_size + [6])  # splits seq 1's node after 2 pages
+    h.run(seq(2, 3))
+    assert h.host.used_pages() == 0 and h.copier.to_host_calls == []
+    assert h.ctrl.flush_backups() == 9
+    assert h.copier.to_host_calls == [9]
+    assert all(node.on_host for node in h.ctrl.tree.nodes() if node.on_device)
+    h.check_all_bytes()
+
+
+def test_a_batch_copies_the_nodes_the_host_has_room_for():
+    """A node the full host tier cannot take is left out of the batch (counted as host_full); the others are copied
+    in the same call."""
+    h = Harness(device=16, host=5, disk=0, policy=DEFER, copier=CountingCopier)
+    for base in (1, 2, 3):
+        h.run(seq(base, 2))
+    for node in h.ctrl.tree.nodes():
+        if node.on_device:
+            h.ctrl.tree.pin(node)  # nothing in host memory may be evicted for the backlog
+    h.ctrl.writes.reuse.traffic_reuse = 1.0
+    assert h.ctrl.flush_backups() == 4
+    assert h.copier.to_host_calls == [4] and h.ctrl.stats.drops["host_full"] == 2
+    backed = [h.ctrl.tree.match_prefix(seq(base, 2), touch=False).last_node.on_host for base in (1, 2, 3)]
+    assert backed == [True, True, False]
+    h.check_all_bytes()
+
+
 def test_deferred_copy_of_a_split_node_covers_both_parts():
     h = Harness(device=16, host=16, disk=0, policy=DEFER)
     h.run(seq(1, 4))

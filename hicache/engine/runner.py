@@ -26,9 +26,11 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[[StepOutput], None]
 
-# how often a busy engine thread renews the stats it publishes (`stats()`); also whenever a request finishes or the
-# engine runs dry. Renewing them every step asked the L3 process for its page count once a step (~0.3 ms each)
-STATS_REFRESH_S = 0.05
+# how often the engine thread renews the stats it publishes (`stats()`), and whenever the engine runs dry. The
+# snapshot only answers /metrics when the engine thread takes over 2 s to: renewing it whenever a request finished
+# asked the L3 process for its page count hundreds of times a run, each round trip a GIL handoff on the engine
+# thread while the HTTP thread streams tokens (bench/RESULTS.md, 'No-reuse overhead')
+STATS_REFRESH_S = 1.0
 
 
 def error_output(request_id: str, message: str, prompt_tokens: int = 0) -> StepOutput:
@@ -112,6 +114,7 @@ class EngineThread:
 
     def _run_loop(self) -> None:
         stats_due = 0.0
+        dry = False  # whether the engine had nothing left to run after the last step
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
@@ -121,8 +124,8 @@ class EngineThread:
                 for out in outputs:
                     self._deliver(out)
                 now = time.monotonic()
-                if (now >= stats_due or not self.engine.has_unfinished()
-                        or any(out.finished for out in outputs)):
+                was_dry, dry = dry, not self.engine.has_unfinished()
+                if now >= stats_due or (dry and not was_dry):
                     with self._stats_lock:
                         self._stats = self.engine.stats()
                     stats_due = now + STATS_REFRESH_S
