@@ -53,6 +53,7 @@ class HostBackups:
         # which pages are likely read again (controller/reuse.py): deferred copies and the L3's admission ask it
         self.reuse = reuse if reuse is not None else ReuseFilter("all")
         self.deferred: deque[TreeNode] = deque()  # committed nodes whose copy to host waits (oldest first)
+        self._deferred_prune_at = 2 * device.capacity_pages  # `defer` drops the nodes gone past this length
         self.flush_slice_pages = max(1, FLUSH_SLICE_BYTES // max(1, page_bytes))  # see FLUSH_SLICE_BYTES
         self._flush_budget = self.flush_slice_pages  # backlog pages this step may still start (begin_step renews)
         self._host_full_reported = float("-inf")
@@ -63,9 +64,28 @@ class HostBackups:
     # ------------------------------------------------------------------ deferred write-through
 
     def deferring(self) -> bool:
-        """Whether new commit-time copies wait: the policy defers and the GPU pool has room to spare."""
+        """Whether new commit-time copies wait: the policy defers, and the GPU pool has room to spare or the traffic
+        does not reuse (controller/reuse.py). Without reuse the backlog is copied only while the engine idles or
+        once the traffic reuses again; a waiting node that leaves the GPU first is dropped uncopied unless it is likely
+        read again (`_copies_on_leaving_gpu`). Copying every new page of one-off prompts cost the engine thread
+        launches and the host tier churn for bytes nobody reads (bench/RESULTS.md, 'No-reuse overhead')."""
         t = self.to_host
-        return t.defers and self.device.allocator.free_pages > t.defer_above_free * self.device.capacity_pages
+        if not t.defers:
+            return False
+        return (self.device.allocator.free_pages > t.defer_above_free * self.device.capacity_pages
+                or not self.reuse.traffic_reuses())
+
+    def defer(self, nodes: Sequence[TreeNode]) -> None:
+        """Queue committed nodes' copies; nodes at the queue's head that left the tree are forgotten first, so that a
+        backlog not copied for a long time (traffic without reuse) holds no more than the GPU does."""
+        deferred = self.deferred
+        while deferred and deferred[0].removed:
+            deferred.popleft()
+        if len(deferred) > self._deferred_prune_at:  # a head that stays (a pinned prefix) holds the rest back
+            self.deferred = deferred = deque(n for n in deferred if not n.removed)
+            self._deferred_prune_at = 2 * max(len(deferred), self.device.capacity_pages)
+        deferred.extend(nodes)
+        self.stats.deferred_pages += sum(n.num_pages for n in nodes)
 
     def begin_step(self) -> None:
         """The engine starts a step: renew the step's slice of the deferred backlog (`flush_slice_pages`)."""

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from controller.ports import L3, Pool
 from controller.stats import CacheStats
-from controller.transfers import Transfers
+from controller.transfers import InFlight, Transfers
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 
 _clock = time.perf_counter  # times the engine thread's waits (a test replaces it)
@@ -180,9 +180,10 @@ class Eviction:
         fills = self.transfers.host_fills
         ready: list[int] = []
         later: dict[int, tuple[Any, list[int]]] = {}
+        busy = InFlight()
         for p in pages:
             handle = fills.pop(p, None)
-            if handle is not None and not handle.done():
+            if handle is not None and busy(handle):
                 later.setdefault(id(handle), (handle, []))[1].append(p)
             else:
                 ready.append(p)
@@ -255,9 +256,10 @@ class Eviction:
         copies: waiting for every copy in flight made each eviction wait for the newest backups too."""
         waits = {}
         backups = self.transfers.backups
+        busy = InFlight()
         for p in pages:
             handle = backups.pop(p, None)
-            if handle is not None and not handle.done():
+            if handle is not None and busy(handle):
                 waits[id(handle)] = handle
                 self.stats.backup_waits += 1
         for handle in waits.values():

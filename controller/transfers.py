@@ -49,6 +49,23 @@ class AllTransfers:
             h.wait()
 
 
+class InFlight:
+    """Whether transfers are still in flight, each handle asked once: one batched copy's handle covers every page
+    of the batch, and asking it per page queried the GPU (a CUDA event) thousands of times a step when a long
+    prompt's pages were freed."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[TransferHandle, bool]] = {}  # the handle is kept: its id stays its own
+
+    def __call__(self, handle: TransferHandle) -> bool:
+        seen = self._seen.get(id(handle))
+        if seen is None:
+            seen = self._seen[id(handle)] = (handle, not handle.done())
+        return seen[1]
+
+
 class PendingCopy:
     """A host -> GPU copy asked for but not started yet (Loads.acquire starts a prefix's copies in one call once
     all its nodes have their pages): like a copy in flight, it keeps the node's host pages from eviction."""

@@ -33,7 +33,7 @@ from controller.eviction import Eviction
 from controller.ports import L3, Copier, HostTier, Pool, Worker, page_buffers
 from controller.reuse import ReuseFilter
 from controller.stats import CacheStats
-from controller.transfers import AllTransfers, Transfers
+from controller.transfers import AllTransfers, InFlight, Transfers
 from controller.write_policies import TierWrites
 from radix import DEVICE, DISK, HOST, RadixTree, TreeNode
 from tiers.copy import TransferHandle
@@ -90,8 +90,7 @@ class Writes(HostBackups):
         if not nodes:
             return
         if self.deferring():
-            self.deferred.extend(nodes)
-            self.stats.deferred_pages += sum(n.num_pages for n in nodes)
+            self.defer(nodes)
             return
         self.flush_slice()
         self.backup_nodes(nodes)
@@ -318,7 +317,8 @@ class Writes(HostBackups):
         would not match the stored bytes (or, staged, the wrong bytes would be stored). Freeing the node's GPU
         pages does not end the copy for the host: it only makes the GPU wait for it."""
         fills = self.transfers.host_fills
-        pending = {id(h): h for p in node.host_pages if (h := fills.get(p)) is not None and not h.done()}
+        busy = InFlight()
+        pending = {id(h): h for p in node.host_pages if (h := fills.get(p)) is not None and busy(h)}
         if not pending:
             return None
         return next(iter(pending.values())) if len(pending) == 1 else AllTransfers(list(pending.values()))

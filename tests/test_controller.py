@@ -210,6 +210,43 @@ def test_without_reuse_in_the_traffic_a_page_leaves_the_gpu_uncopied_unless_it_i
     h.check_all_bytes()
 
 
+def test_without_reuse_in_the_traffic_new_pages_are_not_copied_until_it_reuses_again():
+    """One-off prompts' pages are not copied to host, full GPU pool or not, busy or idle: the copies would cost
+    launches and host churn for bytes nobody reads. The backlog forgets the nodes that left the GPU; once the traffic
+    reuses again, an idle engine copies it in one call, or the next allocation starts it, and new pages are copied at
+    once."""
+    policy = mechanics("write_through", "write_through", defer_above_free=0.0, l3_admit="reuse")
+    h = Harness(device=5, host=16, disk=0, policy=policy, copier=CountingCopier)
+    writes = h.ctrl.writes
+    writes.reuse.traffic_reuse = 0.0
+    for base in range(1, 21):
+        writes.begin_step()
+        h.run(seq(base, 2))
+    assert h.copier.to_host_calls == [] and h.host.used_pages() == 0
+    assert h.ctrl.stats.evictions[DEVICE] == 35 and h.ctrl.stats.eviction_backups == 0
+    queued = list(writes.deferred)  # of the 20 nodes queued, those still on the GPU
+    assert [n.num_pages for n in queued] == [2, 2] and all(n.on_device for n in queued)
+    writes.begin_step()
+    h.ctrl.idle()
+    assert h.copier.to_host_calls == [] and not any(node.on_host for node in queued)
+    writes.reuse.traffic_reuse = 1.0
+    h.ctrl.idle()
+    assert h.copier.to_host_calls == [4] and all(node.on_host for node in queued)
+    assert h.run(seq(20, 2)) == {DEVICE: 2}
+    # the traffic reuses again: the backlog's next slice starts at allocation, new pages are copied at once
+    h = Harness(device=5, host=16, disk=0, policy=policy, copier=CountingCopier)
+    h.ctrl.writes.reuse.traffic_reuse = 0.0
+    h.run(seq(1, 2))
+    h.run(seq(2, 2))
+    assert h.copier.to_host_calls == []
+    h.ctrl.writes.reuse.traffic_reuse = 1.0
+    h.ctrl.writes.begin_step()
+    h.run(seq(3, 2))  # evicts one page of seq 1, copied on its way out; then the backlog, then seq 3
+    assert sum(h.copier.to_host_calls) == 6 and h.host.used_pages() == 6
+    assert h.run(seq(1, 2)) == {DEVICE: 1, HOST: 1}
+    h.check_all_bytes()
+
+
 def test_gpu_eviction_takes_a_copied_leaf_before_an_older_one_it_would_wait_to_copy():
     """Freeing an uncopied leaf's GPU pages waits for its copy and every copy queued before it: a leaf already in host
     memory goes first, although it was used later."""
@@ -1178,6 +1215,35 @@ def test_a_page_the_store_lacks_is_asked_for_once_a_while_unless_others_write_th
         assert h.ctrl.match(seq(7, 3)).disk_pages == 2  # found on the store, then in the tree
 
 
+class ListedL3(ProbedL3):
+    """The same, listing its keys (as the L3 store does): a lookup built on it reads them once."""
+
+    def keys(self):
+        return list(self.data)
+
+
+def test_a_private_store_is_asked_only_about_pages_it_held_at_startup():
+    """Only this tree writes a private store, so a page neither in the tree nor among the keys the store held when
+    the lookup was built is missing without a call; a page held at startup is found by a probe, once, then in the
+    tree. A store whose key list falls short of its page count is asked as before."""
+    l3 = ListedL3(32, LAYOUT.page_bytes)
+    Harness(l3=l3, device=4, host=8).run(seq(7, 2))  # pages 0-1 of seq 7 on the store
+    h = Harness(l3=l3, device=4, host=8)  # a restart
+    l3.probes = 0
+    assert h.ctrl.match(seq(9, 3)).num_pages == 0 and l3.probes == 0
+    assert h.ctrl.match(seq(7, 3)).disk_pages == 2 and l3.probes == 2  # page 0, then pages 1-2 (a batch)
+    assert h.ctrl.match(seq(7, 3)).disk_pages == 2 and l3.probes == 2  # the tree holds them now
+    assert h.run(seq(7, 3)) == {DISK: 2}
+    h.run(seq(8, 3))  # written through by this tree
+    assert h.ctrl.match(seq(8, 4)).num_pages == 3 and l3.probes == 2
+    short = ListedL3(32, LAYOUT.page_bytes)
+    Harness(l3=short, device=4, host=8).run(seq(7, 2))
+    short.keys = lambda: []  # type: ignore[method-assign]
+    h = Harness(l3=short, device=4, host=8)
+    short.probes = 0
+    assert h.ctrl.match(seq(9, 3)).num_pages == 0 and short.probes == 1
+
+
 def test_load_mode_never_reads_nothing_from_disk():
     """Neither a request's load nor a queued request's prefetch reads the disk in load mode "never"."""
     l3 = CountingL3(32, LAYOUT.page_bytes)
@@ -1389,3 +1455,33 @@ def test_a_write_the_admission_rule_refuses_is_counted_as_not_admitted(tmp_path)
         h.ctrl.close()
     finally:
         store.close()
+
+
+def test_freeing_a_batch_asks_its_copy_once_whether_it_has_landed():
+    """One batched copy's handle covers every page of the batch; freeing those pages asks it once, and a copy still
+    in flight makes the GPU wait for it once."""
+    from controller.transfers import InFlight
+
+    class Handle:
+        def __init__(self, landed: bool):
+            self.landed, self.asked, self.stream_waits = landed, 0, 0
+
+        def done(self) -> bool:
+            self.asked += 1
+            return self.landed
+
+        def wait(self) -> None:
+            raise AssertionError("the host must not block")
+
+        def stream_wait(self) -> None:
+            self.stream_waits += 1
+
+    h = Harness(device=16, host=16, disk=0)
+    landed, flying = Handle(True), Handle(False)
+    pages = h.dev.allocate(8)
+    h.ctrl.transfers.backups.update({p: landed if i < 4 else flying for i, p in enumerate(pages)})
+    h.ctrl.eviction.free_device_pages(pages)
+    assert (landed.asked, flying.asked, flying.stream_waits) == (1, 1, 1)
+    assert h.ctrl.stats.backup_waits == 4 and h.dev.used_pages() == 0
+    busy = InFlight()
+    assert [busy(flying), busy(landed), busy(flying)] == [True, False, True] and flying.asked == 2

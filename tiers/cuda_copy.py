@@ -24,6 +24,7 @@ from tiers.pinned import map_host_tensor
 
 # per staging buffer; two of them (256 MiB measured no faster: bench/RESULTS.md, 'Host <-> GPU page transfers')
 STAGING_BYTES = 64 << 20
+FENCE_EVENTS = 4  # fence() events, reused in turn
 ZERO_COPY_MAX_PAGE_BYTES = 1 << 20  # below this page size the mapped-memory kernels win (bench/transfer_bench.py)
 
 
@@ -82,6 +83,8 @@ class CudaPageCopier:
         self.copy_stream = torch.cuda.Stream(device)
         self.shuffle_stream = torch.cuda.Stream(device)  # GPU-side gather/scatter
         self.staging_free = [torch.cuda.Event() for _ in range(2)]
+        self._fences = [torch.cuda.Event() for _ in range(FENCE_EVENTS)]  # see fence()
+        self._next_fence = 0
         for ev in self.staging_free:
             ev.record(self.shuffle_stream)
 
@@ -112,8 +115,14 @@ class CudaPageCopier:
         return [(s, min(n, s + self.chunk_pages)) for s in range(0, n, self.chunk_pages)]
 
     def fence(self) -> torch.cuda.Event:
-        """An event after the compute work queued so far, for a `to_device` started later (`after`)."""
-        event = torch.cuda.Event()
+        """An event after the compute work queued so far, for a `to_device` started later (`after`).
+
+        The engine fences before every forward, so the events are reused, FENCE_EVENTS in turn, rather than created
+        and destroyed a step. A stream that waits on a fence uses its latest recording: a fence re-recorded before
+        a copy waited on it makes that copy wait for more compute, never for less. LaunchLater starts its held
+        copies before the next fence is taken."""
+        event = self._fences[self._next_fence]
+        self._next_fence = (self._next_fence + 1) % FENCE_EVENTS
         event.record(torch.cuda.current_stream())
         return event
 

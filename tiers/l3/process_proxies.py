@@ -286,6 +286,8 @@ class WorkerProxy:
         self._dispatch(("read", job_id, list(keys), refs), None)
 
     def completions(self) -> list[Completion]:
+        if not self._jobs and not self._inbox:
+            return []  # nothing in flight: skip the pipe's poll, a system call that hands the GIL to other threads
         self._receive(0)
         with self._lock:
             out, self._inbox = self._inbox, []
