@@ -65,15 +65,16 @@ class HostBackups:
 
     def deferring(self) -> bool:
         """Whether new commit-time copies wait: the policy defers, and the GPU pool has room to spare or the traffic
-        does not reuse (controller/reuse.py). Without reuse the backlog is copied only while the engine idles or
-        once the traffic reuses again; a waiting node that leaves the GPU first is dropped uncopied unless it is likely
-        read again (`_copies_on_leaving_gpu`). Copying every new page of one-off prompts cost the engine thread
-        launches and the host tier churn for bytes nobody reads (bench/RESULTS.md, 'No-reuse overhead')."""
+        is one-off prompts (controller/reuse.py, `one_off`). Then the backlog is copied neither while the engine is
+        busy nor while it idles (`TierController.idle`), until the traffic reuses again; a waiting node that leaves
+        the GPU first is dropped uncopied unless it is likely read again (`_copies_on_leaving_gpu`). Copying every
+        new page of one-off prompts cost the engine thread launches and the host tier churn for bytes nobody reads
+        (bench/RESULTS.md, 'No-reuse overhead')."""
         t = self.to_host
         if not t.defers:
             return False
         return (self.device.allocator.free_pages > t.defer_above_free * self.device.capacity_pages
-                or not self.reuse.traffic_reuses())
+                or self.reuse.one_off())
 
     def defer(self, nodes: Sequence[TreeNode]) -> None:
         """Queue committed nodes' copies; nodes at the queue's head that left the tree are forgotten first, so that a

@@ -137,11 +137,11 @@ class TierController:
         return launch() if launch is not None else 0
 
     def idle(self) -> None:
-        """The engine has nothing to run: start deferred backups (this step's slice) while they cost little, if the
-        traffic reuses. Traffic without reuse leaves its backlog uncopied (HostBackups.deferring): copying a burst's
-        pages between bursts took the engine thread tens of milliseconds a slice, and the next burst's first step
-        waited for it (bench/RESULTS.md, 'No-reuse overhead')."""
-        if self.writes.reuse.traffic_reuses():
+        """The engine has nothing to run: start deferred backups (this step's slice) while they cost little, unless
+        the traffic is one-off prompts (HostBackups.deferring): copying a burst's pages between bursts took the
+        engine thread tens of milliseconds a slice, and the next burst could arrive meanwhile (bench/RESULTS.md,
+        'No-reuse overhead')."""
+        if not self.writes.reuse.one_off():
             self.writes.flush_slice()
 
     # ------------------------------------------------------------------ requests

@@ -17,9 +17,10 @@ back (newest first), so it never delays a likely page's write (controller/writes
 the decayed share of requests whose prompt started with a cached prefix: traffic without reuse (one-off requests,
 the no-reuse case) drives it under TRAFFIC_REUSE_MIN within 44 requests, and its pages are then not written, so it
 costs the disk nothing; nor are those whose host copy was deferred copied on their way out of the GPU, a copy the
-engine would wait for (controller/backups.py, `_copies_on_leaving_gpu`). How fast the writes that pass go is the
-write queue's business: bounded (`cache.l3.queue_pages`, `write_policy.l3_host_share`) and behind reads on the I/O
-threads.
+engine would wait for (controller/backups.py, `_copies_on_leaving_gpu`). Under TRAFFIC_ONE_OFF_MAX, within 95
+requests, new pages get no host copy at all (`one_off`, `HostBackups.deferring`). How fast the writes that pass go
+is the write queue's business: bounded (`cache.l3.queue_pages`, `write_policy.l3_host_share`) and behind reads on
+the I/O threads.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from radix import TreeNode
 ADMIT_MODES = ("reuse", "all")
 TRAFFIC_REUSE_WEIGHT = 1 / 32  # each request's weight in the traffic's decayed reuse share (older ones fade)
 TRAFFIC_REUSE_MIN = 0.25  # below this share of requests with a cached prefix, pages without a reader are not written
+# below this share the traffic is one-off prompts: new pages get no host copy (controller/backups.py, `deferring`)
+TRAFFIC_ONE_OFF_MAX = 0.05
 
 
 def reuse_memory(host_pages: int, disk_pages: int) -> int:
@@ -75,6 +78,12 @@ class ReuseFilter:
         """Whether the traffic lately reuses prefixes: pages without a reader of their own may take spare write
         bandwidth."""
         return self.mode == "all" or self.traffic_reuse >= TRAFFIC_REUSE_MIN
+
+    def one_off(self) -> bool:
+        """Whether the traffic is one-off prompts: almost no request lately started with a cached prefix. A trace with
+        partial reuse (the Mooncake sample) spends long stretches under TRAFFIC_REUSE_MIN whose pages are read much
+        later: host copies stop only under this much lower share, which one-off traffic reaches within 100 requests."""
+        return self.mode != "all" and self.traffic_reuse < TRAFFIC_ONE_OFF_MAX
 
     def likely(self, node: TreeNode) -> bool:
         if self.mode == "all" or node.hit_count > 0:
