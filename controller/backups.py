@@ -66,7 +66,7 @@ class HostBackups:
     def deferring(self) -> bool:
         """Whether new commit-time copies wait: the policy defers, and the GPU pool has room to spare or the traffic
         is one-off prompts (controller/reuse.py, `one_off`). Then the backlog is copied neither while the engine is
-        busy nor while it idles (`TierController.idle`), until the traffic reuses again; a waiting node that leaves
+        busy nor while it idles (`flush_slice`), until the traffic reuses again; a waiting node that leaves
         the GPU first is dropped uncopied unless it is likely read again (`_copies_on_leaving_gpu`). Copying every
         new page of one-off prompts cost the engine thread launches and the host tier churn for bytes nobody reads
         (bench/RESULTS.md, 'No-reuse overhead')."""
@@ -98,8 +98,10 @@ class HostBackups:
             self.flush_slice()
 
     def flush_slice(self) -> None:
-        """Start what is left of this step's slice of the deferred backlog."""
-        if self.deferred and self._flush_budget > 0:
+        """Start what is left of this step's slice of the deferred backlog; nothing while the traffic is one-off
+        prompts (`deferring`): copying a burst's pages between bursts took the engine thread tens of milliseconds a
+        slice, and the next burst could arrive meanwhile (bench/RESULTS.md, 'No-reuse overhead')."""
+        if self.deferred and self._flush_budget > 0 and not self.reuse.one_off():
             self._flush_budget -= self.flush_backups(self._flush_budget)
 
     def flush_backups(self, limit: int | None = None) -> int:

@@ -137,12 +137,9 @@ class TierController:
         return launch() if launch is not None else 0
 
     def idle(self) -> None:
-        """The engine has nothing to run: start deferred backups (this step's slice) while they cost little, unless
-        the traffic is one-off prompts (HostBackups.deferring): copying a burst's pages between bursts took the
-        engine thread tens of milliseconds a slice, and the next burst could arrive meanwhile (bench/RESULTS.md,
-        'No-reuse overhead')."""
-        if not self.writes.reuse.one_off():
-            self.writes.flush_slice()
+        """The engine has nothing to run: start deferred backups (this step's slice) while they cost little (none for
+        one-off traffic: HostBackups.flush_slice)."""
+        self.writes.flush_slice()
 
     # ------------------------------------------------------------------ requests
 
