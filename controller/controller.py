@@ -143,9 +143,11 @@ class TierController:
 
     # ------------------------------------------------------------------ requests
 
-    def match(self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE) -> MatchResult:
-        """Longest cached prefix of tokens in `namespace`, extended by an L3 index probe past the in-memory tree."""
-        return self.lookup.match(tokens, self.tree.namespaces.get(namespace.id, namespace.group))
+    def match(self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE,
+              reference: bool = True) -> MatchResult:
+        """Longest cached prefix of tokens in `namespace`, extended by an L3 index probe past the in-memory tree.
+        `reference`: the match is a use of the prefix, counted as a hit (not a queued request looking again)."""
+        return self.lookup.match(tokens, self.tree.namespaces.get(namespace.id, namespace.group), reference)
 
     def set_shares(self, shares: dict[int, float]) -> None:
         """Give share groups (tenants) a fraction of every tier's capacity: a tier that must make room takes it
@@ -179,7 +181,13 @@ class TierController:
                  hold: PrefetchHold | None = None, namespace: CacheNamespace = DEFAULT_NAMESPACE) -> PrefetchHold:
         """Start reading a queued request's disk-only prefix into host memory, pinned there until the hold is given
         back (`release_prefetch`), so at admission it loads from host. A `short` hold (no room) passed back as
-        `hold` goes on where it stopped. See Loads.prefetch."""
+        `hold` goes on where it stopped. See Loads.prefetch.
+
+        A hold that is not short, passed back, is a recheck: the request still waits, and pages of its prefix
+        may have left memory since. Its match keeps the prefix recent but counts no hit (the request was counted
+        when it first asked, and is again at admission; a queue's rechecks would otherwise make a page waited
+        for look used many times, to LFU eviction and hit-counting write policies). Where every matched page
+        is still in memory or already held, nothing more is done."""
         if not self.loads.prefetch_enabled:
             return hold or PrefetchHold()
         loads = self.loads
@@ -189,7 +197,10 @@ class TierController:
             return hold  # the disk's queue is still full, nothing gave host memory back since it stopped, or the
             # staging share is used up: asking again (a match of a long prompt, an allocation that fails) costs the
             # engine thread milliseconds a step for the same answer
-        m = self.match(tokens, namespace)
+        recheck = hold is not None and not hold.short
+        m = self.match(tokens, namespace, reference=not recheck)
+        if recheck and not _prefetch_would_act(m, hold, self.transfers):
+            return hold  # (a rechecking queue's front asked this about ten times a second and found nothing new)
         # its prefix is about to be used again: back it up. Locked meanwhile: the room those copies make must come
         # from other pages, or an ancestor's last copy could go and take matched nodes out of the tree
         self.tree.lock(m.last_node)
@@ -332,3 +343,14 @@ class TierController:
                 break
         self.eviction.reap_host_frees(wait=True)
         self.worker.close()
+
+
+def _prefetch_would_act(m: MatchResult, hold: PrefetchHold, transfers: Transfers) -> bool:
+    """Whether `Loads.prefetch(m, ..., hold)` may read or pin anything: a matched node the hold does not hold is
+    only on disk, or on its way to host memory for another queued request (the only nodes it acts on)."""
+    held = {id(node) for node, _ in hold.pins}
+    for node, _ in m.segments:
+        if node.loc[0] is None and id(node) not in held and (
+                node.loc[1] is None or transfers.disk_load(node) is not None or transfers.prefetched(node)):
+            return True
+    return False

@@ -56,10 +56,11 @@ class Lookup:
         found = set(keys()) if used else set()
         return found if len(found) >= used else None  # fewer keys than pages: the answer is not to be trusted
 
-    def match(self, tokens: Sequence[int], base: TreeNode | None = None) -> MatchResult:
+    def match(self, tokens: Sequence[int], base: TreeNode | None = None, reference: bool = True) -> MatchResult:
         """Longest cached prefix of tokens in the namespace rooted at `base` (default: the tree's root); marks it
-        accessed and attaches L3 hits past the tree's match."""
-        m = self.tree.match_prefix(tokens, base=base)
+        accessed (a hit where it is a `reference`: RadixTree.match_prefix) and attaches L3 hits past the tree's
+        match."""
+        m = self.tree.match_prefix(tokens, base=base, reference=reference)
         full = len(tokens) // self.tree.page_size
         if m.num_pages < full and self.l3.capacity_pages and self._probe(tokens, m.last_node, m.num_pages, full):
             m = self.tree.match_prefix(tokens, touch=False, base=base)

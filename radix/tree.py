@@ -107,12 +107,14 @@ class RadixTree:
         node.frequency = node.frequency * decay + (1.0 if reference else 0.0)
         node.last_access = now
 
-    def match_prefix(self, tokens: Sequence[int], touch: bool = True, base: TreeNode | None = None) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], touch: bool = True, base: TreeNode | None = None,
+                     reference: bool = True) -> MatchResult:
         """Longest cached page-aligned prefix of `tokens` in the namespace whose root is `base` (default: the
         tree's root).
 
         Side effects: splits a node when the match ends inside it; with `touch`, marks the matched
-        path as accessed now and counts a hit on each of its nodes.
+        path as accessed now and, where it is a `reference` (a request's use, not a queued request looking
+        again), counts a hit on each of its nodes.
         """
         ps = self.page_size
         tokens = tuple(tokens)
@@ -140,8 +142,8 @@ class RadixTree:
         if touch and path:
             now = self.tick()
             for n in path:
-                self.touch(n, now, reference=True)
-                n.hit_count += 1
+                self.touch(n, now, reference)
+                n.hit_count += reference
                 self.requeue(n)
         return self._result(path, start)
 

@@ -878,7 +878,8 @@ def test_a_short_prefetch_goes_on_where_it_stopped_once_room_is_freed():
     assert second.pages == 1 and second.short
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short  # still no room
     matches = []
-    h.ctrl.lookup.match = lambda tokens, base=None, real=h.ctrl.lookup.match: matches.append(1) or real(tokens, base)
+    h.ctrl.lookup.match = lambda tokens, base=None, reference=True, real=h.ctrl.lookup.match: (
+        matches.append(1) or real(tokens, base, reference))
     assert h.ctrl.prefetch(seq(8, 2), hold=second) is second and second.short
     assert not matches  # nothing gave host room back since it stopped: not even matched again
     h.ctrl.release_prefetch(first)
@@ -894,6 +895,31 @@ def test_a_short_prefetch_goes_on_where_it_stopped_once_room_is_freed():
     assert h.ctrl.loads.prefetching == 0
     h.ctrl.check_integrity()
     assert h.run(seq(8, 2)) == {DISK: 2}
+    h.check_all_bytes()
+
+
+def test_a_queued_request_asking_again_counts_no_hit_and_reads_what_left_memory_since():
+    """A recheck (a hold that is not short, passed back) keeps the prefix recent but is no new use of it: LFU
+    eviction and hit-counting write policies see one hit per request, not one per look of a queued one. Pages
+    that went to disk only since it first asked are read then."""
+    h = Harness(device=4, host=8)
+    h.run(seq(7, 3))  # on the GPU, in host memory and in the L3 (eager write-through)
+    nodes = h.ctrl.tree.match_prefix(seq(7, 3), touch=False).nodes
+    hold = h.ctrl.prefetch(seq(7, 3), max_pages=3)
+    assert hold.started == 0 and hold.pages == 0 and not hold.short  # all in memory: nothing to read
+    hits, clock = [n.hit_count for n in nodes], h.ctrl.tree._clock
+    assert h.ctrl.prefetch(seq(7, 3), max_pages=3, hold=hold) is hold
+    assert [n.hit_count for n in nodes] == hits and hold.started == 0  # no hit, no read
+    assert all(n.last_access > clock for n in nodes)  # but recent: the request still waits for it
+    assert h.ctrl.eviction.evict(DEVICE, 3) == 3 and h.ctrl.eviction.evict(HOST, 3) == 3
+    assert all(n.on_disk and not n.on_host and not n.on_device for n in nodes)
+    assert h.ctrl.prefetch(seq(7, 3), max_pages=3, hold=hold) is hold
+    assert hold.started == 3 and hold.pages == 3 and [n.hit_count for n in nodes] == hits
+    h.ctrl.poll()
+    h.ctrl.release_prefetch(hold)
+    assert h.run(seq(7, 3)) == {DISK: 3}
+    assert [n.hit_count for n in h.ctrl.tree.match_prefix(seq(7, 3), touch=False).nodes] == [hits[0] + 1]
+    h.ctrl.check_integrity()
     h.check_all_bytes()
 
 

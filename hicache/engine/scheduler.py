@@ -242,11 +242,17 @@ class Scheduler:
         reads land; its pages still count against the pool."""
         if not self.waiting or len(self.running) + len(self.loading) >= self.max_running:
             return
+        if self._starved and (self.running or self.loading):
+            return
         admitted = self.running + self.loading
-        # tokens left to prefill (a decoding request has none: its last token is computed as it decodes)
-        backlog = sum(max(0, len(r.token_ids) - r.computed - 1) for r in self.running) - in_flight
-        if backlog >= self.chunk_tokens:
-            return  # a step's worth of prefill is queued already
+        # tokens left to prefill (a decoding request has none: its last token is computed as it decodes), newest
+        # first: they are the ones prefilling, and a step's worth ends the count (called every step, over
+        # max_running requests)
+        backlog = -in_flight
+        for r in reversed(self.running):
+            backlog += max(0, len(r.token_ids) - r.computed - 1)
+            if backlog >= self.chunk_tokens:
+                return  # a step's worth of prefill is queued already
         reserved = sum(self._pages_needed(r) for r in admitted)
         capacity = self.ctrl.device.capacity_pages
         while self.waiting and len(self.running) + len(self.loading) < self.max_running:

@@ -111,8 +111,9 @@ class _ReplayController(TierController):
 
     last_runs: list[tuple[str, int]] = []
 
-    def match(self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE) -> Any:
-        m = super().match(tokens, namespace)
+    def match(self, tokens: Sequence[int], namespace: CacheNamespace = DEFAULT_NAMESPACE,
+              reference: bool = True) -> Any:
+        m = super().match(tokens, namespace, reference)
         self.last_runs = [(tier, node.num_pages) for node, tier in m.segments]
         return m
 

@@ -264,12 +264,14 @@ class TimedReplay:
         the decoding requests, one commit: a long prompt costs the replay one step instead of k. (plan, k)."""
         sched = self.sched
         chunk = sched.chunk_tokens
-        if len(plan) != 1 or sched.loading or sched.admit_during_forward:
+        if len(plan) != 1 or sched.loading:
             return plan, 1
         req, n = plan[0]
         if n != chunk or not isinstance(req, SimRequest) or req.ticket is None or req.ticket.gap is not None:
             return plan, 1
         k = (len(req.token_ids) - req.computed - 1) // chunk
+        if sched.admit_during_forward:  # admission runs during each forward, counting its chunk as computed: it
+            k -= 1  # would open one chunk sooner (Scheduler.admit_ahead)
         if self.decoding:
             k = min(k, min(r.decode_left for r in self.decoding))
         if k <= 1:
