@@ -199,7 +199,7 @@ class TierController:
             # engine thread milliseconds a step for the same answer
         recheck = hold is not None and not hold.short
         m = self.match(tokens, namespace, reference=not recheck)
-        if recheck and not _prefetch_would_act(m, hold, self.transfers):
+        if hold is not None and recheck and not _prefetch_would_act(m, hold, self.transfers):
             return hold  # (a rechecking queue's front asked this about ten times a second and found nothing new)
         # its prefix is about to be used again: back it up. Locked meanwhile: the room those copies make must come
         # from other pages, or an ancestor's last copy could go and take matched nodes out of the tree
