@@ -113,6 +113,14 @@ class TreeNode:
         return f"TreeNode(id={self.id}, pages={self.num_pages}, tiers={self.tiers()}, lock={self.lock_ref})"
 
 
+def in_some_order(node: TreeNode) -> bool:
+    """Whether node is a leaf of some tier, so in an eviction order (RadixTree.requeue changes nothing otherwise).
+    The test costs less than that call, on paths where most nodes are not (match, unlock)."""
+    loc, below = node.loc, node.tier_children
+    return ((loc[0] is not None and not below[0]) or (loc[1] is not None and not below[1])
+            or (loc[2] is not None and not below[2]))
+
+
 class NamespaceRoot(TreeNode):
     """The top of one cache namespace: no pages and no tier; its `seed` starts the key chains of the pages below
     it, so equal tokens in two namespaces have different L3 and remote-tier keys. The tree's root is the

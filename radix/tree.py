@@ -47,6 +47,7 @@ from radix.node import (
     MatchResult,
     NamespaceRoot,
     TreeNode,
+    in_some_order,
 )
 from radix.order import EvictionOrder
 from radix.policy import DEFAULT_HALF_LIFE, eviction_priority, tier_policies
@@ -109,13 +110,10 @@ class RadixTree:
 
     def match_prefix(self, tokens: Sequence[int], touch: bool = True, base: TreeNode | None = None,
                      reference: bool = True) -> MatchResult:
-        """Longest cached page-aligned prefix of `tokens` in the namespace whose root is `base` (default: the
-        tree's root).
-
-        Side effects: splits a node when the match ends inside it; with `touch`, marks the matched
-        path as accessed now and, where it is a `reference` (a request's use, not a queued request looking
-        again), counts a hit on each of its nodes.
-        """
+        """Longest cached page-aligned prefix of `tokens` in the namespace whose root is `base` (default: the tree's
+        root). Side effects: splits a node when the match ends inside it; with `touch`, marks the matched path as
+        accessed now and, where it is a `reference` (a use, not a queued request looking again), counts a hit on
+        each of its nodes."""
         ps = self.page_size
         tokens = tuple(tokens)
         end = len(tokens) // ps * ps
@@ -144,7 +142,8 @@ class RadixTree:
             for n in path:
                 self.touch(n, now, reference)
                 n.hit_count += reference
-                self.requeue(n)
+                if in_some_order(n):
+                    self.requeue(n)
         return self._result(path, start)
 
     def _result(self, path: list[TreeNode], base: TreeNode) -> MatchResult:
@@ -383,7 +382,6 @@ class RadixTree:
     def _push(self, ti: int, node: TreeNode) -> None:
         self.order.push(ti, node)
 
-
     def set_quotas(self, tier: str, quotas: dict[int, int]) -> None:
         """Pages each share group may keep in `tier` when it is contended: eviction there takes the pages of the
         groups over their quota first (radix.order)."""
@@ -455,7 +453,7 @@ class RadixTree:
             if walk.lock_ref <= 0:
                 raise ValueError(f"unlock of unlocked {walk}")
             walk.lock_ref -= 1
-            if walk.lock_ref == 0:
+            if walk.lock_ref == 0 and in_some_order(walk):
                 self.requeue(walk)
             walk = walk.parent
 

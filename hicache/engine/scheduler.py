@@ -391,13 +391,13 @@ class Scheduler:
 
     def _plan(self) -> list[tuple[Request, int]]:
         plan: dict[Request, int] = {}
-        for req in list(self.running):
-            if req.awaiting_loads:
-                self._check_loads(req)
-        for req in list(self.running):  # decodes: one token each, oldest first
-            if req.awaiting_loads:
-                continue
-            if req.status is Status.RUNNING and len(req.token_ids) - req.computed == 1 and self._reserve(req, 1, plan):
+        # (each loop first picks its requests by what only its own request's turn changes: this runs every step,
+        # over up to max_running requests, and the picking is most of it)
+        for req in [r for r in self.running if r.awaiting_loads]:
+            self._check_loads(req)
+        for req in [r for r in self.running if not r.awaiting_loads and len(r.token_ids) - r.computed == 1]:
+            # decodes: one token each, oldest first (an older one's _reserve may preempt it)
+            if req.status is Status.RUNNING and self._reserve(req, 1, plan):
                 plan[req] = 1
         # prefill chunks, oldest first, within the step's budget. Once the step holds batch_tokens prefill
         # tokens it takes no further request (a long prompt's chunk still fills the budget): a burst of short
@@ -405,8 +405,8 @@ class Scheduler:
         # (on the H200 it did not pay on the multi-turn benchmark; off by default)
         budget = self.chunk_tokens - len(plan)
         prefill = 0
-        for req in list(self.running):
-            if req.status is not Status.RUNNING or req in plan or req.awaiting_loads:  # (preempted: no ticket)
+        for req in [r for r in self.running if r not in plan and not r.awaiting_loads]:
+            if req.status is not Status.RUNNING:  # preempted by an older one's _reserve (no ticket)
                 continue
             gap = req.ticket.gap
             remaining = (gap[1] * self.page_size if gap else len(req.token_ids)) - req.computed
