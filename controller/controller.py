@@ -186,8 +186,9 @@ class TierController:
         A hold that is not short, passed back, is a recheck: the request still waits, and pages of its prefix
         may have left memory since. Its match keeps the prefix recent but counts no hit (the request was counted
         when it first asked, and is again at admission; a queue's rechecks would otherwise make a page waited
-        for look used many times, to LFU eviction and hit-counting write policies). Where every matched page
-        is still in memory or already held, nothing more is done."""
+        for look used many times, to LFU eviction and hit-counting write policies). The write policies' copies
+        of a prefix about to be used still run; where every matched page is still in memory or already held,
+        no read is planned."""
         if not self.loads.prefetch_enabled:
             return hold or PrefetchHold()
         loads = self.loads
@@ -199,8 +200,6 @@ class TierController:
             # engine thread milliseconds a step for the same answer
         recheck = hold is not None and not hold.short
         m = self.match(tokens, namespace, reference=not recheck)
-        if hold is not None and recheck and not _prefetch_would_act(m, hold, self.transfers):
-            return hold  # (a rechecking queue's front asked this about ten times a second and found nothing new)
         # its prefix is about to be used again: back it up. Locked meanwhile: the room those copies make must come
         # from other pages, or an ancestor's last copy could go and take matched nodes out of the tree
         self.tree.lock(m.last_node)
@@ -208,6 +207,8 @@ class TierController:
             self.writes.hit([node for node, _ in m.segments])
         finally:
             self.tree.unlock(m.last_node)
+        if hold is not None and recheck and not _prefetch_would_act(m, hold, self.transfers):
+            return hold  # (a rechecking queue's front asked this about ten times a second and found nothing new)
         hold = self.loads.prefetch(m, max_pages, hold)
         hold.room_version = self.host_room_version
         return hold

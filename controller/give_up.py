@@ -60,8 +60,10 @@ class ReadDeadlines:
             return None
         nodes = ticket.nodes
         rest = nodes[cut:]
-        if any(node.lock_ref > 1 and (load := self.transfers.disk_load(node)) is not None and load.to_device
-               for node in rest):
+        # another request's ticket on the same pages waits for them: for the read into its GPU pages, or for the copy
+        # of a prefetched read into them once it lands in host memory (GPU pages assigned, the read itself to host)
+        if any(node.lock_ref > 1 and (load := self.transfers.disk_load(node)) is not None
+               and (load.to_device or node.on_device) for node in rest):
             return None
         for node in rest:
             load = self.transfers.disk_load(node)

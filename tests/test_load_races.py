@@ -126,3 +126,31 @@ def test_a_prefetch_backing_up_its_prefix_keeps_the_prefix_in_the_tree() -> None
     tree.unlock(other)
     ctrl.release_prefetch(hold)
     ctrl.check_integrity()
+
+
+def test_a_request_giving_up_its_reads_keeps_the_gpu_pages_another_ticket_holds() -> None:
+    """Two requests hold tickets on one prefix whose disk reads are in flight into GPU pages. The first giving its
+    reads up must leave those GPU pages to the second, however the read is marked: the timed replay of the
+    Mooncake sample reached a read marked for host memory only on a node with GPU pages the second ticket held,
+    freed them, and failed the second request's commit ("has no copy in the GPU")."""
+    ctrl = controller()
+    tokens = list(range(1, 21))
+    on_disk_only(ctrl, tokens)
+    real = ctrl.worker.completions
+    ctrl.worker.completions = lambda: []  # the reads stay in flight
+    first = ctrl.acquire(tokens, max_pages=19)
+    second = ctrl.acquire(tokens, max_pages=19)
+    reading = [n for n in second.nodes if ctrl.transfers.disk_load(n) is not None]
+    assert reading and all(n.on_device for n in reading)
+    assert ctrl.give_up_reads(first) is None  # the second ticket waits for the same reads
+    for node in reading:
+        ctrl.transfers.disk_load(node).to_device = False  # the state the replay reached
+    assert ctrl.give_up_reads(first) is None
+    assert all(n.on_device for n in second.nodes)
+    ctrl.worker.completions = real
+    assert ctrl.wait_ticket(first) and ctrl.wait_ticket(second)
+    ctrl.release(first)
+    pages = ctrl.alloc_device(1)
+    ctrl.commit(second, tokens, second.device_pages() + pages)  # every page of its prefix still on the GPU
+    ctrl.release(second)
+    ctrl.check_integrity()
