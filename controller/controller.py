@@ -198,8 +198,8 @@ class TierController:
             return hold  # the disk's queue is still full, nothing gave host memory back since it stopped, or the
             # staging share is used up: asking again (a match of a long prompt, an allocation that fails) costs the
             # engine thread milliseconds a step for the same answer
-        recheck = hold is not None and not hold.short
-        m = self.match(tokens, namespace, reference=not recheck)
+        recheck = hold if hold is not None and not hold.short else None
+        m = self.match(tokens, namespace, reference=recheck is None)
         # its prefix is about to be used again: back it up. Locked meanwhile: the room those copies make must come
         # from other pages, or an ancestor's last copy could go and take matched nodes out of the tree
         self.tree.lock(m.last_node)
@@ -207,8 +207,8 @@ class TierController:
             self.writes.hit([node for node, _ in m.segments])
         finally:
             self.tree.unlock(m.last_node)
-        if hold is not None and recheck and not _prefetch_would_act(m, hold, self.transfers):
-            return hold  # (a rechecking queue's front asked this about ten times a second and found nothing new)
+        if recheck is not None and not _prefetch_would_act(m, recheck, self.transfers):
+            return recheck  # (a rechecking queue's front asked this about ten times a second and found nothing new)
         hold = self.loads.prefetch(m, max_pages, hold)
         hold.room_version = self.host_room_version
         return hold
