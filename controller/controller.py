@@ -207,7 +207,7 @@ class TierController:
             self.writes.hit([node for node, _ in m.segments])
         finally:
             self.tree.unlock(m.last_node)
-        if recheck is not None and not _prefetch_would_act(m, recheck, self.transfers):
+        if recheck is not None and not loads.prefetch_would_act(m, recheck):
             return recheck  # (a rechecking queue's front asked this about ten times a second and found nothing new)
         hold = self.loads.prefetch(m, max_pages, hold)
         hold.room_version = self.host_room_version
@@ -344,14 +344,3 @@ class TierController:
                 break
         self.eviction.reap_host_frees(wait=True)
         self.worker.close()
-
-
-def _prefetch_would_act(m: MatchResult, hold: PrefetchHold, transfers: Transfers) -> bool:
-    """Whether `Loads.prefetch(m, ..., hold)` may read or pin anything: a matched node the hold does not hold is
-    only on disk, or on its way to host memory for another queued request (the only nodes it acts on)."""
-    held = {id(node) for node, _ in hold.pins}
-    for node, _ in m.segments:
-        if node.loc[0] is None and id(node) not in held and (
-                node.loc[1] is None or transfers.disk_load(node) is not None or transfers.prefetched(node)):
-            return True
-    return False

@@ -11,6 +11,17 @@ from typing import NamedTuple
 from radix import DEVICE, DISK, HOST
 
 
+def clip_runs(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
+    """The (tier, pages) runs of a matched prefix cut down to their first `pages` pages."""
+    out = []
+    for tier, n in runs:
+        if pages <= 0:
+            break
+        out.append((tier, min(n, pages)))
+        pages -= n
+    return out
+
+
 class LoadPlan(NamedTuple):
     """How to use a matched prefix of pages: load [0, k), compute [k, s) while [s, n) loads, then go on
     from page n. Without a gap (k == s) it is the one-cut plan: k == s == n."""

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from controller.cost import CostModel, LoadPlan
+from controller.cost import CostModel, LoadPlan, clip_runs
 from controller.disk_reads import DiskReads
 from controller.eviction import Eviction
 from controller.give_up import ReadDeadlines
@@ -30,17 +30,6 @@ from tiers.l3.worker import Completion
 # a disk read is at most this many bytes: a long prefix lands in parts (0.13 s each at 2 GB/s), so a request that
 # stops waiting at its deadline (controller/give_up.py) keeps the parts that landed
 READ_CHUNK_BYTES = 256 << 20
-
-
-def _clip(runs: list[tuple[str, int]], pages: int) -> list[tuple[str, int]]:
-    """The (tier, pages) runs cut down to their first `pages` pages."""
-    out = []
-    for tier, n in runs:
-        if pages <= 0:
-            break
-        out.append((tier, min(n, pages)))
-        pages -= n
-    return out
 
 
 class Loads:
@@ -106,7 +95,7 @@ class Loads:
         total = sum(n for _, n in runs)
         if overlap and self.cost.overlap:
             cap = total if max_pages is None else min(total, max_pages)
-            plan = self.cost.plan(_clip(runs, cap))
+            plan = self.cost.plan(clip_runs(runs, cap))
             self.stats.recomputed_tokens += (plan.s - plan.k + cap - plan.n) * ps
         else:
             want = self.cost.pages_to_load(runs)
@@ -386,6 +375,17 @@ class Loads:
         hold.started += started
         self.stats.prefetched_pages += started
         return hold
+
+    def prefetch_would_act(self, m: MatchResult, hold: PrefetchHold) -> bool:
+        """Whether `prefetch(m, ..., hold)` may read or pin anything: a matched node the hold does not hold is only on
+        disk, or on its way to host memory for another queued request (the nodes `prefetch` acts on: kept alike)."""
+        held = {id(node) for node, _ in hold.pins}
+        for node, _ in m.segments:
+            if node.loc[0] is None and id(node) not in held and (
+                    node.loc[1] is None or self.transfers.disk_load(node) is not None
+                    or self.transfers.prefetched(node)):
+                return True
+        return False
 
     def prefetch_refill_ready(self) -> bool:
         """Whether a prefetch the disk's read queue stopped should go on now: the queue has room for a refill of
