@@ -209,7 +209,7 @@ class TierController:
             self.tree.unlock(m.last_node)
         if recheck is not None and not loads.prefetch_would_act(m, recheck):
             return recheck  # (a rechecking queue's front asked this about ten times a second and found nothing new)
-        hold = self.loads.prefetch(m, max_pages, hold)
+        hold = loads.prefetch(m, max_pages, hold)
         hold.room_version = self.host_room_version
         return hold
 
