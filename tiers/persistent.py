@@ -145,6 +145,14 @@ class PersistentTiers:
         gone = self.local.delete(keys) if self.local is not None else 0
         return gone + self.remote.delete(keys)
 
+    def track_evictions(self) -> None:
+        if self.local is not None:
+            self.local.track_evictions()
+
+    def take_evicted(self) -> list[bytes]:
+        """The local store's evictions: the shared copies stay until the remote server evicts them."""
+        return self.local.take_evicted() if self.local is not None else []
+
     def keys(self) -> list[bytes]:
         return self.local.keys() if self.local is not None else []
 

@@ -79,6 +79,7 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
         self._dirty_access: set[bytes] = set()
         self._last_stamp = 0  # access times are strictly increasing, so LRU order survives a reopen
         self._admission = admission_policy(admission_hits)
+        self._evicted: list[bytes] | None = None  # keys evicted to make room, kept once `track_evictions` is on
         # bandwidth caps (0: none): an NVMe of a given speed emulated on tmpfs, or this server's share of a disk
         self._read_limit = TokenBucket(read_limit_bytes_per_s)
         self._write_limit = TokenBucket(write_limit_bytes_per_s)
@@ -122,6 +123,21 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
         """Count a sighting of each key for the admission rule."""
         with self._lock:
             self._admission.note(keys)
+
+    def track_evictions(self) -> None:
+        """Keep the keys of pages evicted to make room for writes until `take_evicted` (an engine's KV events
+        announce them); off by default, as the server's tree learns of evictions from its own writes."""
+        with self._lock:
+            if self._evicted is None:
+                self._evicted = []
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys evicted to make room since the last call (empty unless `track_evictions` is on)."""
+        with self._lock:
+            if not self._evicted:
+                return []
+            taken, self._evicted = self._evicted, []
+            return taken
 
     def delete(self, keys: Sequence[bytes], wait: bool = True) -> int:
         """Remove pages from the index; returns how many were present. They are gone at once (not found, not

@@ -51,6 +51,7 @@ class StoreState:
     _dirty_access: set[bytes]
     _last_stamp: int
     _admission: Any
+    _evicted: list[bytes] | None
     _read_limit: TokenBucket
     _write_limit: TokenBucket
     _state: str

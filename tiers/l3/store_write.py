@@ -157,6 +157,8 @@ class StoreWrites(StoreState):
                 for key, _ in victims:
                     del self._entries[key]  # its slot is now in flight to the writer
                 self._counters["evictions"] += len(victims)
+                if self._evicted is not None:
+                    self._evicted.extend(key for key, _ in victims)
             slots += [slot for _, slot in victims]
             slots.sort()
             for key, slot in zip(keys, slots):

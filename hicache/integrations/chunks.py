@@ -1,0 +1,110 @@
+"""hicache's disk tier holding another engine's KV chunks: the L3 store (tiers/l3), a remote tier (tiers/remote),
+or both (tiers/persistent.py), opened under the engine's cache identity.
+
+An engine names a chunk by its own key (vLLM: a block hash and a KV group; SGLang: a page hash string). The store's
+page key is a 16-byte blake2b of that key, salted by the request's namespace where the engine passes one, and the
+store's namespace fingerprints the cache identity: the engine, the model, the KV dtype, the chunk's bytes and
+layout, and the parallel rank. Every record's checksum binds its bytes to that namespace and key
+(docs/l3-format.md), so a chunk is served only to the identity and key that wrote it, and a server with another
+configuration never reads this one's records: it is refused at open, naming the settings that differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache.config import ConfigError
+from hicache.integrations.options import TierOptions
+from radix import namespace_fingerprint, namespace_id
+from radix.hashing import KEY_BYTES
+from tiers.l3.format import slot_bytes_for
+from tiers.persistent import open_persistent
+
+logger = logging.getLogger(__name__)
+
+REMOTE_PASSWORD_ENV = "HICACHE_REMOTE_PASSWORD"
+_GIB = 1 << 30
+
+
+def chunk_key(engine_key: bytes, salt: str | None = None) -> bytes:
+    """The store's 16-byte key of an engine's chunk key; a salt (a tenant, a request's cache salt) gives the
+    chunk a key of its own, so that requests of one salt never find another salt's chunks."""
+    seed = namespace_id(salt) if salt else b""
+    return hashlib.blake2b(engine_key, digest_size=KEY_BYTES, key=seed, person=b"hicache-chunk").digest()
+
+
+def store_directory(path: str, part: str | None) -> str:
+    """Where one engine process's store lives: `path` itself, or `path/part` where several processes of one
+    deployment (tensor-parallel ranks, data-parallel replicas) each keep their own (a store has one writer)."""
+    return os.path.join(path, part) if part else path
+
+
+class ChunkStore:
+    """An engine's chunks of `chunk_bytes` each in hicache's disk tier, under the identity `identity` (a mapping of
+    what changes the chunks' bytes). `part`: the sub-directory of this process's store, if any.
+
+    `store` has the L3 store's interface (`contains`, `read_pages`, `write_pages_detailed`, `delete`, `stats`):
+    pages are 1-D uint8 CPU tensors of `chunk_bytes`; reads verify each chunk's checksum and a failed one is a
+    miss, counted and dropped, never served."""
+
+    def __init__(self, options: TierOptions, chunk_bytes: int, identity: dict[str, Any], part: str | None = None,
+                 source: str = "hicache tier") -> None:
+        if chunk_bytes <= 0:
+            raise ConfigError(f"{source}: the engine's chunks must have a positive size, got {chunk_bytes} bytes")
+        self.options = options
+        self.chunk_bytes = chunk_bytes
+        self.fields = {**identity, "chunk_bytes": chunk_bytes}
+        if options.namespace:
+            self.fields["deployment"] = options.namespace
+        self.namespace = namespace_fingerprint(self.fields)
+        self.directory = store_directory(options.path, part) if options.path is not None else None
+        store_args = remote_args = None
+        if self.directory is not None:
+            assert options.size_gib is not None  # TierOptions.check
+            capacity = int(options.size_gib * _GIB) // slot_bytes_for(chunk_bytes) * slot_bytes_for(chunk_bytes)
+            if capacity <= 0:
+                raise ConfigError(f"{source}: size_gib: {options.size_gib} GiB holds no {chunk_bytes}-byte chunk")
+            if part:
+                os.makedirs(self.directory, exist_ok=True)
+            store_args = dict(
+                path=self.directory, capacity_bytes=capacity, page_bytes=chunk_bytes, namespace=self.namespace,
+                namespace_fields=self.fields, io_backend=options.io_backend, io_threads=options.io_threads,
+                sync_batch_pages=max(1, (options.sync_batch_mib << 20) // chunk_bytes),
+                admission_hits=options.admission_hits, read_limit_bytes_per_s=options.read_limit_gbps * 1e9,
+                write_limit_bytes_per_s=options.write_limit_gbps * 1e9)
+        remote_pages = 0
+        if options.remote is not None:
+            r = options.remote
+            remote_args = dict(url=r.url, namespace=self.namespace, page_bytes=chunk_bytes, username=r.username,
+                               password=r.password or os.environ.get(REMOTE_PASSWORD_ENV) or None,
+                               key_prefix=r.key_prefix, timeout_s=r.timeout_s, admission_hits=r.admission_hits)
+            remote_pages = max(1, int(r.size_gib * _GIB) // chunk_bytes)
+        self.store: Any = open_persistent(store_args, remote_args, remote_pages)
+        self.store.track_evictions()
+        self.local: Any = self.store if options.remote is None else self.store.local
+        self.remote: Any = None if options.remote is None else self.store.remote
+        logger.info("hicache tier: %s, %d-byte chunks, %s", self.directory or "no local store", chunk_bytes,
+                    ", ".join(f"{k}={v}" for k, v in options.describe().items()))
+
+    @property
+    def sync_batch_chunks(self) -> int:
+        return max(1, (self.options.sync_batch_mib << 20) // self.chunk_bytes)
+
+    def contains_local(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys the local store holds (its in-memory index: no I/O)."""
+        return self.local.contains(keys) if self.local is not None else [False] * len(keys)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def byte_rows(view: memoryview) -> torch.Tensor:
+    """A 2-D memoryview (rows of an engine's host memory) as a flat uint8 tensor over the same bytes (no copy)."""
+    flat = view.cast("B") if view.ndim == 1 else view.cast("B", (view.nbytes,))
+    return torch.frombuffer(flat, dtype=torch.uint8) if flat.nbytes else torch.empty(0, dtype=torch.uint8)
