@@ -243,7 +243,7 @@ class HicacheTier(SecondaryTierManager):
             if ok:
                 self._names[k] = key
         if self._events is not None and stored:
-            self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False,
+            self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False, ownership=self.tier_type,
                                                 locality=self.locality))
         why = reasons or (None,) * len(results)
         success = all(ok or reason in DELIBERATE_REFUSALS for ok, reason in zip(results, why))
@@ -255,7 +255,7 @@ class HicacheTier(SecondaryTierManager):
             return
         names = [self._names.pop(k) for k in evicted if k in self._names]
         if self._events is not None and names:
-            self._events.append(OffloadingEvent(keys=names, medium=self.medium, removed=True,
+            self._events.append(OffloadingEvent(keys=names, medium=self.medium, removed=True, ownership=self.tier_type,
                                                 locality=self.locality))
 
     # ---- metrics
