@@ -1,0 +1,257 @@
+"""hicache's engine tiers against the engines' own file tiers, on the same storage, in one run: vLLM's `fs`
+secondary tier against `HicacheTier`, and SGLang's `HiCacheFile` against `HicacheStorage`, with the raw rate of
+the storage (bench/l3_bench.py's `raw_best`) beside them.
+
+    .venv/bin/python bench/integrations_bench.py --dirs /dev/shm /tmp --chunks 1000 --chunk-mib 2 --json out.json
+
+Each system stores `--chunks` chunks and loads them back, with 1, 8 and 64 jobs in flight (`--inflight`), each job
+`--chunks-per-job` chunks, into a fresh directory per run. vLLM's tiers are driven through their own job API
+(submit_store / submit_load / get_finished_jobs) from one thread that keeps the window full, as the scheduler does;
+SGLang's backends are called (batch_set / batch_get) from as many threads as jobs in flight, as its prefetch and
+backup threads do. hicache's checksums are on (they always are); its store syncs data and index as it always does,
+where vLLM's `fs` tier writes without a sync. Figures are GB/s of chunk bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from l3_bench import raw_best  # noqa: E402
+
+GB = 1e9
+
+
+def aligned_rows(chunks: int, chunk_bytes: int) -> np.ndarray:
+    """`chunks` rows of `chunk_bytes` in page-aligned anonymous memory (as vLLM's primary tier and a host pool),
+    filled with random bytes."""
+    buf = mmap.mmap(-1, chunks * chunk_bytes)
+    rows = np.frombuffer(buf, dtype=np.uint8).reshape(chunks, chunk_bytes)
+    rng = np.random.default_rng(0)
+    for i in range(chunks):
+        rows[i] = rng.integers(0, 256, chunk_bytes, dtype=np.uint8) if i < 8 else rows[i % 8]
+        rows[i, :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+    return rows
+
+
+# ---- vLLM: the fs tier and HicacheTier through the SecondaryTierManager job API
+
+def vllm_spec(chunk_bytes: int) -> Any:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0",), group_id=0),),
+        worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": chunk_bytes, "block_size": 16}, engine_id="integrations-bench",
+        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=True))
+    return TieringOffloadingSpec(config)
+
+
+def vllm_tier(kind: str, directory: str, rows: np.ndarray, chunks: int) -> Any:
+    spec = vllm_spec(rows.shape[1])
+    view = memoryview(rows)
+    if kind == "fs":
+        from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+        return FileSystemTierManager(spec, view, "fs", root_dir=directory)
+    from hicache.integrations.vllm import HicacheTier
+
+    size_gib = chunks * (rows.shape[1] + 4096) / (1 << 30) * 1.05
+    return HicacheTier(spec, view, "hicache", path=directory, size_gib=size_gib)
+
+
+def run_vllm_jobs(tier: Any, keys: list[bytes], per_job: int, inflight: int, promotion: bool) -> float:
+    """Seconds to store (or load) every key through the tier with at most `inflight` jobs outstanding."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    ctx = ReqContext(req_id="bench")
+    jobs = [list(range(i, min(i + per_job, len(keys)))) for i in range(0, len(keys), per_job)]
+    outstanding = 0
+    failed = 0
+    start = time.perf_counter()
+    next_job = 0
+    while next_job < len(jobs) or outstanding:
+        while next_job < len(jobs) and outstanding < inflight:
+            ids = jobs[next_job]
+            job = TransferJob(job_id=next_job, keys=[keys[i] for i in ids], chunk_ids=np.array(ids, dtype=np.int64),
+                              is_promotion=promotion, req_context=ctx)
+            (tier.submit_load if promotion else tier.submit_store)(job)
+            next_job += 1
+            outstanding += 1
+        done = list(tier.get_finished_jobs())
+        outstanding -= len(done)
+        failed += sum(not d.success for d in done)
+        if not done:
+            time.sleep(0.0002)
+    elapsed = time.perf_counter() - start
+    if failed:
+        raise RuntimeError(f"{failed} jobs failed")
+    return elapsed
+
+
+def bench_vllm(kind: str, root: str, rows: np.ndarray, per_job: int, inflight: int) -> dict[str, float]:
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    chunks, chunk_bytes = rows.shape
+    keys = [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(chunks)]
+    directory = tempfile.mkdtemp(prefix=f"vllm-{kind}-", dir=root)
+    expected = rows.copy()
+    try:
+        tier = vllm_tier(kind, directory, rows, chunks)
+        try:
+            store_s = run_vllm_jobs(tier, keys, per_job, inflight, promotion=False)
+            rows[:] = 0
+            load_s = run_vllm_jobs(tier, keys, per_job, inflight, promotion=True)
+        finally:
+            tier.shutdown()
+        if not np.array_equal(rows, expected):
+            raise RuntimeError(f"vllm {kind}: loaded bytes differ from the stored ones")
+        return {"store_gbps": chunks * chunk_bytes / store_s / GB, "load_gbps": chunks * chunk_bytes / load_s / GB}
+    finally:
+        rows[:] = expected
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---- SGLang: HiCacheFile and HicacheStorage through the generic batch_set / batch_get
+
+class FlatPool:
+    """What a storage backend asks of SGLang's host pool on the generic path: flat pages of one shape."""
+
+    layout = "page_first"
+    page_size = 64
+
+    def __init__(self, page_elements: int) -> None:
+        self.page_elements = page_elements
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.empty(self.page_elements, dtype=torch.bfloat16)
+
+
+def sglang_backend(kind: str, directory: str, chunks: int, chunk_bytes: int) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    if kind == "file":
+        extra: dict[str, Any] = {"file_storage_path": directory}
+    else:
+        extra = {"backend_name": "hicache", "module_path": "hicache.integrations.sglang",
+                 "class_name": "HicacheStorage", "path": directory,
+                 "size_gib": chunks * (chunk_bytes + 8192) / (1 << 30) * 1.05}
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name="bench/model", extra_config=extra)
+    pool = FlatPool(chunk_bytes // 2)
+    backend = StorageBackendFactory.create_backend("dynamic" if kind == "hicache" else "file", config, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def run_sglang_calls(call: Any, batches: list[list[int]], inflight: int) -> float:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(inflight) as pool:
+        results = list(pool.map(call, batches))
+    elapsed = time.perf_counter() - start
+    if not all(results):
+        raise RuntimeError("a call failed")
+    return elapsed
+
+
+def bench_sglang(kind: str, root: str, rows: np.ndarray, per_job: int, inflight: int) -> dict[str, float]:
+    chunks, chunk_bytes = rows.shape
+    pages = torch.from_numpy(rows).view(torch.bfloat16)
+    keys = [f"{i:064x}" for i in range(chunks)]
+    batches = [list(range(i, min(i + per_job, chunks))) for i in range(0, chunks, per_job)]
+    directory = tempfile.mkdtemp(prefix=f"sglang-{kind}-", dir=root)
+    expected = rows.copy()
+    lock = threading.Lock()
+    try:
+        backend = sglang_backend(kind, directory, chunks, chunk_bytes)
+        try:
+            store_s = run_sglang_calls(lambda ids: backend.batch_set([keys[i] for i in ids], [pages[i] for i in ids]),
+                                       batches, inflight)
+            rows[:] = 0
+
+            def load(ids: list[int]) -> bool:
+                got = backend.batch_get([keys[i] for i in ids], [pages[i] for i in ids])
+                with lock:
+                    return all(g is not None for g in got)
+
+            load_s = run_sglang_calls(load, batches, inflight)
+        finally:
+            if hasattr(backend, "close"):
+                backend.close()
+        if not np.array_equal(rows, expected):
+            raise RuntimeError(f"sglang {kind}: loaded bytes differ from the stored ones")
+        return {"store_gbps": chunks * chunk_bytes / store_s / GB, "load_gbps": chunks * chunk_bytes / load_s / GB}
+    finally:
+        rows[:] = expected
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+SYSTEMS = {"vllm fs": ("vllm", "fs"), "vllm HicacheTier": ("vllm", "hicache"),
+           "sglang HiCacheFile": ("sglang", "file"), "sglang HicacheStorage": ("sglang", "hicache")}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dirs", nargs="+", default=["/dev/shm", "/tmp"], help="storage to measure, one each")
+    parser.add_argument("--chunks", type=int, default=1000)
+    parser.add_argument("--chunk-mib", type=float, default=2.0)
+    parser.add_argument("--chunks-per-job", type=int, default=1)
+    parser.add_argument("--inflight", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--raw-threads", type=int, default=4)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    chunk_bytes = int(args.chunk_mib * (1 << 20))
+    rows = aligned_rows(args.chunks, chunk_bytes)
+    results: dict[str, Any] = {"chunks": args.chunks, "chunk_bytes": chunk_bytes, "per_job": args.chunks_per_job}
+    for root in args.dirs:
+        raw = raw_best(root, args.chunks * chunk_bytes, args.raw_threads, 1)
+        entry: dict[str, Any] = {"raw_write_gbps": raw["write"]["best"] / GB, "raw_read_gbps": raw["read"]["best"] / GB}
+        print(f"{root}: raw write {entry['raw_write_gbps']:.2f} GB/s, read {entry['raw_read_gbps']:.2f} GB/s",
+              flush=True)
+        for name in args.systems:
+            engine, kind = SYSTEMS[name]
+            for inflight in args.inflight:
+                run = bench_vllm if engine == "vllm" else bench_sglang
+                figures = run(kind, root, rows, args.chunks_per_job, inflight)
+                entry[f"{name} @{inflight}"] = figures
+                print(f"{root}: {name:22} {inflight:3} in flight: store {figures['store_gbps']:6.2f} GB/s, "
+                      f"load {figures['load_gbps']:6.2f} GB/s", flush=True)
+        results[root] = entry
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
