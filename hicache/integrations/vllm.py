@@ -41,9 +41,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager, TransferJob
 
-from tiers.l3.worker import L3Worker
 from hicache.integrations.chunks import ChunkStore, byte_rows, chunk_key
 from hicache.integrations.options import TierOptions
+from tiers.l3.worker import L3Worker
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -243,8 +243,7 @@ class HicacheTier(SecondaryTierManager):
             if ok:
                 self._names[k] = key
         if self._events is not None and stored:
-            self._events.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False, ownership=self.tier_type,
-                                                locality=self.locality))
+            self._events.append(self._event(stored, removed=False))
         why = reasons or (None,) * len(results)
         success = all(ok or reason in DELIBERATE_REFUSALS for ok, reason in zip(results, why))
         return JobResult(job_id=job_id, success=success, transfer_time=seconds, transfer_bytes=nbytes)
@@ -255,8 +254,11 @@ class HicacheTier(SecondaryTierManager):
             return
         names = [self._names.pop(k) for k in evicted if k in self._names]
         if self._events is not None and names:
-            self._events.append(OffloadingEvent(keys=names, medium=self.medium, removed=True, ownership=self.tier_type,
-                                                locality=self.locality))
+            self._events.append(self._event(names, removed=True))
+
+    def _event(self, keys: list[OffloadKey], removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(keys=keys, medium=self.medium, removed=removed, locality=self.locality,
+                               ownership=self.tier_type)
 
     # ---- metrics
 

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from hicache.config import ConfigError
@@ -64,7 +64,8 @@ def test_same_answers_as_sglangs_file_backend(tmp_path):
             assert ours.batch_exists(batch) == theirs.batch_exists(batch)
         assert ours.batch_exists(stored) == 5
         for key in (stored[2], page_keys(1, 9)[0]):
-            mine, other = ours.get(key, pool.get_dummy_flat_data_page()), theirs.get(key, pool.get_dummy_flat_data_page())
+            mine = ours.get(key, pool.get_dummy_flat_data_page())
+            other = theirs.get(key, pool.get_dummy_flat_data_page())
             assert (mine is None) == (other is None)
             if mine is not None:
                 assert torch.equal(mine, other) and torch.equal(mine, values[2])
