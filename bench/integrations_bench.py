@@ -8,8 +8,10 @@ Each system stores `--chunks` chunks and loads them back, with 1, 8 and 64 jobs 
 `--chunks-per-job` chunks, into a fresh directory per run. vLLM's tiers are driven through their own job API
 (submit_store / submit_load / get_finished_jobs) from one thread that keeps the window full, as the scheduler does;
 SGLang's backends are called (batch_set / batch_get) from as many threads as jobs in flight, as its prefetch and
-backup threads do. hicache's checksums are on (they always are); its store syncs data and index as it always does,
-where vLLM's `fs` tier writes without a sync. Figures are GB/s of chunk bytes.
+backup threads do. Between the stores and the loads, every file is written back and dropped from the page cache,
+so that loads read the storage. hicache's checksums are on (they always are); its store syncs data and index as it
+always does, where vLLM's `fs` tier and SGLang's `HiCacheFile` write without a sync (HiCacheFile through the page
+cache). Figures are GB/s of chunk bytes.
 """
 
 from __future__ import annotations
@@ -47,6 +49,25 @@ def aligned_rows(chunks: int, chunk_bytes: int) -> np.ndarray:
         rows[i] = rng.integers(0, 256, chunk_bytes, dtype=np.uint8) if i < 8 else rows[i % 8]
         rows[i, :8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
     return rows
+
+
+def drop_page_cache(directory: str) -> None:
+    """Write back and forget the cached pages of every file under `directory`, so that the loads that follow
+    read the storage, not memory (a cache is read back long after it was written). No effect on tmpfs."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return
+    except OSError:
+        pass
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 # ---- vLLM: the fs tier and HicacheTier through the SecondaryTierManager job API
@@ -128,6 +149,7 @@ def bench_vllm(kind: str, root: str, rows: np.ndarray, per_job: int, inflight: i
         try:
             store_s = run_vllm_jobs(tier, keys, per_job, inflight, promotion=False)
             rows[:] = 0
+            drop_page_cache(directory)
             load_s = run_vllm_jobs(tier, keys, per_job, inflight, promotion=True)
         finally:
             tier.shutdown()
@@ -197,6 +219,7 @@ def bench_sglang(kind: str, root: str, rows: np.ndarray, per_job: int, inflight:
             store_s = run_sglang_calls(lambda ids: backend.batch_set([keys[i] for i in ids], [pages[i] for i in ids]),
                                        batches, inflight)
             rows[:] = 0
+            drop_page_cache(directory)
 
             def load(ids: list[int]) -> bool:
                 got = backend.batch_get([keys[i] for i in ids], [pages[i] for i in ids])

@@ -18,6 +18,7 @@ the parallel rank. The other keys of the extra config are `TierOptions`' (docs/i
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -55,6 +56,9 @@ class HicacheStorage(HiCacheStorage):
         self.parts = 1 if self.mla else 2
         self.chunks: ChunkStore | None = None
         self.mem_pool_host: Any = None
+        # SGLang may call from many threads at once; more than `jobs_threads` calls inside the store only wait on
+        # its lock and its I/O threads, and their wake-ups cost the interpreter lock the others need
+        self._gate = threading.BoundedSemaphore(self.options.jobs_threads)
 
     # ---- setup
 
@@ -206,7 +210,8 @@ class HicacheStorage(HiCacheStorage):
         store = self._store
         flat_keys = [k for key in keys for k in self._keys(key, extra_info)]
         buffers = [half for t in targets for half in (self._halves(t) if split else t)]
-        ok = store.store.read_pages(flat_keys, buffers)
+        with self._gate:
+            ok = store.store.read_pages(flat_keys, buffers)
         return [t if all(ok[i * self.parts:(i + 1) * self.parts]) else None for i, t in enumerate(targets)]
 
     def _write(self, keys: list[str], pages: list[Any], extra_info: HiCacheStorageExtraInfo | None,
@@ -214,7 +219,8 @@ class HicacheStorage(HiCacheStorage):
         store = self._store
         flat_keys = [k for key in keys for k in self._keys(key, extra_info)]
         buffers = [half for p in pages for half in (self._halves(p) if split else p)]
-        ok, _ = store.store.write_pages_detailed(flat_keys, buffers)
+        with self._gate:
+            ok, _ = store.store.write_pages_detailed(flat_keys, buffers)
         return [all(ok[i * self.parts:(i + 1) * self.parts]) for i in range(len(keys))]
 
     # ---- the rest of the backend API
