@@ -33,7 +33,8 @@ class TierOptions:
     size_gib: float | None = None
     io_backend: Literal["auto", "kvikio", "posix", "buffered"] = "auto"
     io_threads: int = 4  # threads of the store's page I/O
-    jobs_threads: int = 4  # engine calls served at once (vLLM load jobs; SGLang calls); each spreads its chunks over the I/O threads
+    # engine calls served at once (vLLM load jobs, SGLang calls); each spreads its chunks over the I/O threads
+    jobs_threads: int = 4
     queue_chunks: int = 4096  # chunks waiting to be written, at most; beyond it a store job fails at once
     sync_batch_mib: int = 64  # bytes written per fdatasync and index commit
     admission_hits: int = 0  # store a chunk only once it was offered this many times (0: always)
