@@ -337,6 +337,8 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     _positive(s.default_max_tokens, "scheduler.default_max_tokens", source)
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"{source}: server.port: must be in 1..65535, got {cfg.server.port}")
+    if cfg.server.api_key is not None and not cfg.server.api_key.strip():
+        raise ConfigError(f"{source}: server.api_key: is empty (omit it, or null, for a server without auth)")
     _positive(cfg.server.max_body_bytes, "server.max_body_bytes", source)
     for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
         _positive(getattr(cfg.server, name), f"server.{name}", source)

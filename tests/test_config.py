@@ -210,3 +210,15 @@ def test_a_bad_write_policy_on_the_command_line_names_the_key():
         override(Config(), {"cache.write_policy.l3_host_share": 0.0})
     with pytest.raises(ConfigError, match=r"cache.write_policy.host_to_disk: 'later' is not one of"):
         override(Config(), {"cache.write_policy.host_to_disk": "later"})
+
+
+def test_config_command_masks_secrets(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  api_key: sk-very-secret-key\n"
+                    "cache:\n  remote:\n    url: redis://alice:url-secret@127.0.0.1:6390/0\n    password: pw-secret\n")
+    assert main(["config", str(path)]) == 0
+    out = capsys.readouterr().out
+    for secret in ("sk-very-secret-key", "url-secret", "pw-secret"):
+        assert secret not in out
+    assert "api_key: '********'" in out and "password: '********'" in out
+    assert "redis://alice:********@127.0.0.1:6390/0" in out

@@ -28,8 +28,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(report, indent=2, default=str) if args.json else format_report(report))
     bad = report["verify"]["bad"] if args.verify else 0
+    lost = report.get("dropped_entries", 0) if args.verify else 0
     if bad:
         print(f"hicache l3 inspect: {bad} page(s) failed verification (checksum mismatch or unreadable)",
               file=sys.stderr)
-        return 1
-    return 0
+    if lost:
+        print(f"hicache l3 inspect: {lost} index entries are lost (they point outside the slab, which is shorter "
+              "than its header says, or are malformed)", file=sys.stderr)
+    return 1 if bad or lost else 0

@@ -95,8 +95,11 @@ def build_config(args: argparse.Namespace) -> Config:
         "cache.l3.path": args.l3_path,
         "cache.remote.url": args.remote_url,
     }
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None:
+        if not api_key.strip():  # an empty key would read as "no key": the server would serve everyone
+            source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+            raise ConfigError(f"{source}: the API key is empty (leave it unset for a server without auth)")
         dotted["server.api_key"] = api_key
     cfg = override(cfg, {k: v for k, v in dotted.items() if v is not None})
     if args.no_l3:

@@ -36,7 +36,9 @@ class APIError(Exception):
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    """{"error": {...}} as OpenAI sends it."""
+    """{"error": {...}} as OpenAI sends it. A message that echoes what a client sent may hold characters UTF-8 cannot
+    encode (a lone surrogate, `"\\ud800"` in JSON): they are written as escapes, so the error is still answered."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

@@ -76,6 +76,8 @@ class Tenants:
         """The server's tenants from its `--api-key` and tenants file (either may be absent)."""
         tenants = load_tenants_file(tenants_file) if tenants_file else []
         if api_key is not None:
+            if not api_key.strip():
+                raise TenantsError("the API key is empty: an empty key would let every request in")
             if any(t.name == DEFAULT_TENANT for t in tenants):
                 raise TenantsError(f"{tenants_file}: the tenant name {DEFAULT_TENANT!r} is the one --api-key's "
                                    "key gets; name the tenant otherwise")
@@ -111,6 +113,8 @@ class Tenants:
         try:
             raw = token.strip().encode("latin-1")
         except UnicodeEncodeError:  # not a header's bytes: nothing a client sent
+            return None
+        if not raw:  # an empty token is no key, whatever keys were configured
             return None
         found = None
         for key, tenant in self._keys:

@@ -164,6 +164,19 @@ def test_flipped_byte_is_a_counted_miss_and_the_entry_is_dropped(tmp_path, open_
         assert again.contains([key(1), key(2)]) == [False, True]  # the drop was durable
 
 
+def test_inspect_verify_exits_1_when_a_truncated_slab_lost_entries(tmp_path, capsys):
+    from hicache.cli import main
+
+    with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
+        assert all(_write(store, range(4)))  # slots 0..3
+    os.truncate(tmp_path / "s" / "slab-000.bin", HEADER_BYTES + 2 * 8192 + 100)
+    capsys.readouterr()
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "s"), "--verify"]) == 1
+    out = capsys.readouterr()
+    assert "invalid entries 2" in out.out and "2 index entries are lost" in out.err
+    assert main(["l3", "inspect", "--l3-path", str(tmp_path / "s")]) == 0  # without --verify nothing is checked
+
+
 def test_truncated_slab_drops_entries_past_eof_on_open(tmp_path):
     with L3Store(tmp_path / "s", 8 * 8192, 8192, NAMESPACE) as store:
         assert all(_write(store, range(4)))  # slots 0..3
@@ -440,3 +453,29 @@ def test_pieces_hashed_as_they_move_give_the_whole_page_checksum_and_catch_a_fli
     assert store.read_pages([key(0), key(1)], out) == [True, False]
     assert store.stats()["checksum_failures"] == 1
     store.close()
+
+
+def test_a_slab_larger_than_the_free_space_is_refused_before_any_file_is_made(tmp_path, monkeypatch):
+    real = os.statvfs
+    free_bytes = 4 << 20
+
+    class Small:
+        def __init__(self, fs):
+            self.f_frsize, self.f_bavail = 4096, free_bytes // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Small(real(p)))
+    with pytest.raises(L3Error, match=r"needs 8392704 bytes .* has 4194304 \(0.00 GiB\) free") as e:
+        L3Store(tmp_path / "s", capacity_bytes=1024 * 8192, page_bytes=8192, namespace=NAMESPACE)
+    assert e.value.errno == errno.ENOSPC
+    assert not (tmp_path / "s" / "slab-000.bin").exists()
+
+
+def test_a_failed_slab_allocation_leaves_no_file(tmp_path, monkeypatch):
+    def fill_then_fail(fd, offset, size):
+        os.ftruncate(fd, size // 2)  # part of the space taken, as a real posix_fallocate leaves it
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", fill_then_fail)
+    with pytest.raises(L3Error, match="not enough free space"):
+        L3Store(tmp_path / "s", capacity_bytes=64 * 8192, page_bytes=8192, namespace=NAMESPACE)
+    assert not (tmp_path / "s" / "slab-000.bin").exists()

@@ -115,6 +115,10 @@ def test_bad_prompts(server) -> None:
 def test_unknown_model_and_path(server) -> None:
     assert_error(post(server, "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}), 404, code="model_not_found")
     assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+    body = b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    r = post(server, "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert_error(r, 404, code="model_not_found")
+    assert "\\ud800" in r.json()["error"]["message"]  # the lone surrogate, written as an escape
 
 
 KEY = "s3cret"

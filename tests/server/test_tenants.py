@@ -64,3 +64,30 @@ def test_a_bad_tenants_file_is_refused_naming_what_is_wrong(tmp_path, text, mess
 def test_a_missing_tenants_file_names_the_path(tmp_path):
     with pytest.raises(TenantsError, match="cannot read the tenants file .*nope.yaml"):
         Tenants.build(None, str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_api_key_is_refused_wherever_it_comes_from(key, monkeypatch):
+    import argparse
+
+    from hicache.config import ConfigError, from_dict
+    from hicache.server import cli as serve_cli
+
+    with pytest.raises(TenantsError, match="API key is empty"):
+        Tenants.build(key, None)
+    with pytest.raises(ConfigError, match="server.api_key: is empty"):
+        from_dict({"server": {"api_key": key}}, "c.yaml")
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    with pytest.raises(ConfigError, match="--api-key: the API key is empty"):
+        serve_cli.build_config(parser.parse_args(["serve", "--api-key", key]))
+    monkeypatch.setenv(serve_cli.API_KEY_ENV, key)
+    with pytest.raises(ConfigError, match=r"\$HICACHE_API_KEY: the API key is empty"):
+        serve_cli.build_config(parser.parse_args(["serve"]))
+
+
+def test_an_empty_bearer_token_never_authenticates():
+    tenants = Tenants.build("sk-key", None)
+    assert tenants.authenticate("Bearer sk-key") is not None
+    for header in ("Bearer ", "Bearer", "bearer   ", ""):
+        assert tenants.authenticate(header) is None

@@ -43,15 +43,35 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _check_free_space(path: str, size: int) -> None:
+    """L3Error naming both sizes unless the file system has room for a `size`-byte slab at `path` (counting the
+    space of the file it replaces): a slab must not fill the disk that other processes write to."""
+    try:
+        replaced = os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        replaced = 0
+    fs = os.statvfs(os.path.dirname(path) or ".")
+    free = fs.f_bavail * fs.f_frsize + replaced
+    if free < size:
+        raise L3Error(errno.ENOSPC, f"{path}: not enough free space for the slab: it needs {size} bytes "
+                                    f"({size / 2**30:.2f} GiB), the file system has {free} ({free / 2**30:.2f} GiB) "
+                                    "free; lower the L3 size or free space")
+
+
 def create_slab(path: str, header: SlabHeader) -> None:
-    """Create (or replace) a slab file: header written, space allocated, all synced."""
+    """Create (or replace) a slab file: header written, space allocated, all synced. Where that fails, no file is
+    left behind (a partly allocated slab would hold disk space nothing uses)."""
+    _check_free_space(path, header.file_bytes())
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _allocate(fd, path, header.file_bytes())
         os.pwrite(fd, header.pack(), 0)
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
     _fsync_dir(os.path.dirname(path) or ".")
 
 
