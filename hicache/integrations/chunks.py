@@ -12,9 +12,12 @@ configuration never reads this one's records: it is refused at open, naming the 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from hicache.integrations.options import TierOptions
 from radix import namespace_fingerprint, namespace_id
 from radix.hashing import KEY_BYTES
 from tiers.l3.format import slot_bytes_for
+from tiers.l3.worker import Completion, L3Worker
 from tiers.persistent import open_persistent
 
 logger = logging.getLogger(__name__)
@@ -102,6 +106,61 @@ class ChunkStore:
 
     def close(self) -> None:
         self.store.close()
+
+
+class WaitedJobs:
+    """A store's reads and writes for callers that wait for their own (SGLang calls its backend from threads of its
+    own): an L3Worker runs them, so that concurrent callers' writes share its writer's synced batches (one
+    fdatasync and index commit for many calls) and reads run on its `threads` reader threads, however many callers
+    there are; each caller waits on its job's future."""
+
+    def __init__(self, store: Any, threads: int, queue_pages: int, batch_pages: int) -> None:
+        self.worker = L3Worker(store, threads=threads, queue_pages=queue_pages, batch_pages=batch_pages)
+        self._waiting: dict[int, Future[Completion]] = {}
+        self._lock = threading.Lock()
+        self._tokens = itertools.count()
+        self._closed = threading.Event()
+        self._collector = threading.Thread(target=self._collect, name="hicache-jobs", daemon=True)
+        self._collector.start()
+
+    def write(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
+        """Store pages; True where stored (or already present). False for all when the write queue is full."""
+        token, done = self._register()
+        if not self.worker.submit_write(token, keys, pages):
+            with self._lock:
+                self._waiting.pop(token)
+            return [False] * len(keys)
+        return done.result().results
+
+    def read(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
+        """Read pages into buffers; True where read and verified."""
+        token, done = self._register()
+        self.worker.submit_read(token, keys, pages)
+        return done.result().results
+
+    def close(self) -> None:
+        """Finish the queued jobs (their callers get their results), then stop."""
+        self.worker.close()
+        self._closed.set()
+        self._collector.join()
+        self._deliver(self.worker.completions())
+
+    def _register(self) -> tuple[int, Future[Completion]]:
+        done: Future[Completion] = Future()
+        with self._lock:
+            token = next(self._tokens)
+            self._waiting[token] = done
+        return token, done
+
+    def _collect(self) -> None:
+        while not self._closed.is_set():
+            self._deliver(self.worker.wait_completions(timeout=0.2))
+
+    def _deliver(self, completions: list[Completion]) -> None:
+        for completion in completions:
+            with self._lock:
+                done = self._waiting.pop(completion.token)
+            done.set_result(completion)
 
 
 def byte_rows(view: memoryview) -> torch.Tensor:

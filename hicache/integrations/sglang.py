@@ -18,14 +18,13 @@ the parallel rank. The other keys of the extra config are `TierOptions`' (docs/i
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from hicache.config import ConfigError
-from hicache.integrations.chunks import ChunkStore, chunk_key
+from hicache.integrations.chunks import ChunkStore, WaitedJobs, chunk_key
 from hicache.integrations.options import TierOptions
 
 logger = logging.getLogger(__name__)
@@ -37,6 +36,8 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 # layouts whose page halves are contiguous in the host pool's buffer (the v1 calls move them in place)
 IN_PLACE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 SOURCE = "--hicache-storage-backend-extra-config"
+UNREGISTERED = ("HicacheStorage: SGLang registers its host pool before the first call (register_mem_pool_host); "
+                "without it the page layout is unknown")
 
 
 class HicacheStorage(HiCacheStorage):
@@ -56,9 +57,7 @@ class HicacheStorage(HiCacheStorage):
         self.parts = 1 if self.mla else 2
         self.chunks: ChunkStore | None = None
         self.mem_pool_host: Any = None
-        # SGLang may call from many threads at once; more than `jobs_threads` calls inside the store only wait on
-        # its lock and its I/O threads, and their wake-ups cost the interpreter lock the others need
-        self._gate = threading.BoundedSemaphore(self.options.jobs_threads)
+        self._jobs: WaitedJobs | None = None
 
     # ---- setup
 
@@ -68,10 +67,11 @@ class HicacheStorage(HiCacheStorage):
         page_bytes = page.numel() * page.element_size()
         if page_bytes % self.parts:
             raise ConfigError(f"{SOURCE}: a host page of {page_bytes} bytes does not split into K and V halves")
-        if self.chunks is not None:
-            self.chunks.close()
+        self.close()
         self.chunks = ChunkStore(self.options, page_bytes // self.parts, self._identity(mem_pool_host, page),
                                  self._part(), SOURCE)
+        self._jobs = WaitedJobs(self.chunks.store, threads=self.options.jobs_threads,
+                                queue_pages=self.options.queue_chunks, batch_pages=self.chunks.sync_batch_chunks)
 
     def _identity(self, pool: Any, page: torch.Tensor) -> dict[str, Any]:
         c = self.config
@@ -102,10 +102,15 @@ class HicacheStorage(HiCacheStorage):
         return "-".join(parts) or None
 
     @property
+    def _waited(self) -> WaitedJobs:
+        if self._jobs is None:
+            raise RuntimeError(UNREGISTERED)
+        return self._jobs
+
+    @property
     def _store(self) -> ChunkStore:
         if self.chunks is None:
-            raise RuntimeError("HicacheStorage: SGLang registers its host pool before the first call "
-                               "(register_mem_pool_host); without it the page layout is unknown")
+            raise RuntimeError(UNREGISTERED)
         return self.chunks
 
     # ---- keys
@@ -207,20 +212,16 @@ class HicacheStorage(HiCacheStorage):
               split: bool = True) -> list[Any]:
         """Read each page into its target (a flat page, or its halves with split=False); a page is returned only
         if every half verified, else None (a miss: SGLang stops its prefetch there)."""
-        store = self._store
         flat_keys = [k for key in keys for k in self._keys(key, extra_info)]
         buffers = [half for t in targets for half in (self._halves(t) if split else t)]
-        with self._gate:
-            ok = store.store.read_pages(flat_keys, buffers)
+        ok = self._waited.read(flat_keys, buffers)
         return [t if all(ok[i * self.parts:(i + 1) * self.parts]) else None for i, t in enumerate(targets)]
 
     def _write(self, keys: list[str], pages: list[Any], extra_info: HiCacheStorageExtraInfo | None,
                split: bool = True) -> list[bool]:
-        store = self._store
         flat_keys = [k for key in keys for k in self._keys(key, extra_info)]
         buffers = [half for p in pages for half in (self._halves(p) if split else p)]
-        with self._gate:
-            ok, _ = store.store.write_pages_detailed(flat_keys, buffers)
+        ok = self._waited.write(flat_keys, buffers)
         return [all(ok[i * self.parts:(i + 1) * self.parts]) for i in range(len(keys))]
 
     # ---- the rest of the backend API
@@ -236,6 +237,9 @@ class HicacheStorage(HiCacheStorage):
         return self._store.store.stats()
 
     def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.close()
+            self._jobs = None
         if self.chunks is not None:
             self.chunks.close()
             self.chunks = None
