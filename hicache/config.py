@@ -337,11 +337,20 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     _positive(s.default_max_tokens, "scheduler.default_max_tokens", source)
     if not 0 < cfg.server.port < 65536:
         raise ConfigError(f"{source}: server.port: must be in 1..65535, got {cfg.server.port}")
+    tenants_file = cfg.server.tenants_file
+    if tenants_file is not None and not Path(tenants_file).is_file():
+        raise ConfigError(f"{source}: server.tenants_file: {tenants_file!r} is not a file")
     if cfg.server.api_key is not None and not cfg.server.api_key.strip():
         raise ConfigError(f"{source}: server.api_key: is empty (omit it, or null, for a server without auth)")
     _positive(cfg.server.max_body_bytes, "server.max_body_bytes", source)
     for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
         _positive(getattr(cfg.server, name), f"server.{name}", source)
+    from hicache.modelinfo import UnknownModel, model_shape
+
+    try:
+        model_shape(cfg.model.name)
+    except UnknownModel as e:
+        raise ConfigError(f"{source}: model.name: {e}") from None
     _positive(cfg.model.tp_rank, "model.tp_rank", source, allow_zero=True)
     _check_tensor_parallel(cfg.model, source)
     _positive(cfg.model.cuda_graph_max_batch, "model.cuda_graph_max_batch", source, allow_zero=True)

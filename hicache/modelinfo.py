@@ -171,8 +171,12 @@ class ModelShape:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
 
+class UnknownModel(ValueError):
+    """A model name that is neither built in, nor a random preset, nor a Hugging Face model directory."""
+
+
 def model_shape(name: str) -> ModelShape:
-    """Shape of a built-in model or a Hugging Face directory (config.json); ValueError if unknown."""
+    """Shape of a built-in model or a Hugging Face directory (config.json); UnknownModel if unknown."""
     if name in BUILTIN_SHAPES:
         return ModelShape(name, *BUILTIN_SHAPES[name])
     if name.startswith("random:"):
@@ -189,10 +193,9 @@ def model_shape(name: str) -> ModelShape:
             name, c["num_hidden_layers"], c.get("num_key_value_heads", heads), head_dim,
             c.get("max_position_embeddings", 4096),
         )
-    raise ValueError(
-        f"unknown model {name!r}: use {', '.join(sorted(BUILTIN_SHAPES))}, random:<preset> "
-        "or a Hugging Face model directory"
-    )
+    presets = ", ".join(f"random:{p}" for p in sorted(RANDOM_PRESETS))
+    raise UnknownModel(f"unknown model {name!r}: use {', '.join(sorted(BUILTIN_SHAPES))}, a preset of random "
+                       f"weights ({presets}) or a Hugging Face model directory (one holding config.json)")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

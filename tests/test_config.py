@@ -201,6 +201,10 @@ def test_serve_checks_the_port_and_the_l3_path_before_loading_the_model(tmp_path
                  "--l3-path", str(afile)])  # the port is free again
     err = capsys.readouterr().err
     assert code == 2 and "L3 store error" in err and "not a directory" in err
+    code = main(["serve", "--config", "configs/default.yaml", "--model", "random:tiny", "--port", str(port),
+                 "--no-l3", "--trace-log", str(afile / "x.jsonl")])  # under a file: no directory to write in
+    err = capsys.readouterr().err
+    assert code == 2 and "server.trace_log (--trace-log): cannot append to" in err and "Traceback" not in err
 
 
 def test_a_bad_write_policy_on_the_command_line_names_the_key():
@@ -222,3 +226,21 @@ def test_config_command_masks_secrets(tmp_path, capsys):
         assert secret not in out
     assert "api_key: '********'" in out and "password: '********'" in out
     assert "redis://alice:********@127.0.0.1:6390/0" in out
+
+
+def test_an_unknown_model_is_a_config_error_naming_the_known_ones(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  name: nosuchmodel\n")
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "model.name: unknown model 'nosuchmodel'" in err
+    assert "smollm2-135m-instruct" in err and "random:llama-3.1-8b" in err and "Traceback" not in err
+    assert main(["generate", "--model", "nosuchmodel", "--prompt", "hi"]) == 2
+    assert "model.name: unknown model 'nosuchmodel'" in capsys.readouterr().err
+
+
+def test_a_missing_tenants_file_is_a_config_error(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"server:\n  tenants_file: {tmp_path / 'nope.yaml'}\n")
+    assert main(["config", str(path)]) == 2
+    assert "server.tenants_file:" in capsys.readouterr().err

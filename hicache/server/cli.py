@@ -222,7 +222,7 @@ def exit_without_teardown(code: int, always: bool = False) -> None:
 def preflight(cfg: Any) -> socket.socket:
     """What can fail in seconds is checked before the model loads (which can take minutes): the listening socket
     (bound here and handed to uvicorn, so nobody takes the port meanwhile) and the L3 store's directory (exists or
-    can be created, writable, no other writer). ConfigError / L3Error name what is wrong."""
+    can be created, writable, no other writer) and the trace log. ConfigError / L3Error name what is wrong."""
     s = cfg.server
     family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -233,6 +233,14 @@ def preflight(cfg: Any) -> socket.socket:
         sock.close()
         raise ConfigError(f"server: cannot listen on {s.host}:{s.port}: {e.strerror or e} (--host / --port)") from None
     sock.set_inheritable(True)
+    if s.trace_log:  # the trace log opens for appending at startup: a path it cannot use fails now
+        try:
+            with open(s.trace_log, "a"):
+                pass
+        except OSError as e:
+            sock.close()
+            raise ConfigError(f"server.trace_log (--trace-log): cannot append to {s.trace_log!r}: "
+                              f"{e.strerror or e}") from None
     path = cfg.cache.l3.path
     if path:
         from hicache.cache import l3_directory

@@ -69,6 +69,29 @@ def _boolean(value: Any) -> Any:
     return value
 
 
+MAX_STOP_STRINGS = 16  # OpenAI's bound too
+
+
+def _stop(value: Any) -> Any:
+    """`stop`: a string or a list of at most MAX_STOP_STRINGS strings, said so (a union's own error would name only
+    its first branch: "should be a valid string")."""
+    if isinstance(value, list):
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        if not all(isinstance(v, str) for v in value):
+            raise ValueError("stop strings must be strings")
+    return value
+
+
+def _prompt(value: Any) -> Any:
+    """`prompt`: a string, strings, token ids or lists of token ids; numbers that are not integers are named."""
+    items = value if isinstance(value, list) else []
+    flat = [x for item in items for x in (item if isinstance(item, list) else [item])]
+    if any(isinstance(x, bool) or (isinstance(x, float)) for x in flat):
+        raise ValueError("token ids must be integers")
+    return value
+
+
 Integer = Annotated[int, BeforeValidator(_integer)]
 Number = Annotated[float, BeforeValidator(_number)]
 Boolean = Annotated[bool, BeforeValidator(_boolean)]
@@ -93,7 +116,7 @@ class _SamplingRequest(BaseModel):
     n: Integer = Field(1, ge=1, le=INT_MAX)
     stream: Boolean = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None  # at most 16 strings, of any length
+    stop: Annotated[str | list[str] | None, BeforeValidator(_stop)] = None  # at most 16 strings, of any length
     stop_token_ids: list[Annotated[Integer, Field(ge=0, le=INT_MAX)]] | None = Field(None, max_length=1024)
     seed: Integer | None = Field(None, ge=0, le=SEED_MAX)
     ignore_eos: Boolean = False
@@ -114,9 +137,9 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions: one prompt as text or token ids."""
 
-    prompt: str | list[str] | list[Integer] | list[list[Integer]]
+    prompt: Annotated[str | list[str] | list[Integer] | list[list[Integer]], BeforeValidator(_prompt)]
     echo: Boolean = False
-    best_of: int | None = None
+    best_of: Integer | None = None  # a JSON integer: "2" is refused as the docs say
     suffix: str | None = None
 
 

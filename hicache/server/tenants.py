@@ -150,10 +150,28 @@ class Tenants:
         return names
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (a tenant named twice would silently replace the
+    first, and its keys with it), naming the line."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                repeated = key in seen
+            except TypeError:  # an unhashable key: the constructor below says so
+                continue
+            if repeated:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_tenants_file(path: str) -> list[Tenant]:
     """Parse a tenants file (see the module doc); TenantsError names what is wrong."""
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     except OSError as e:
         raise TenantsError(f"cannot read the tenants file {path}: {e.strerror or e}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:

@@ -44,6 +44,19 @@ def test_known_field_of_wrong_type(server, field, value) -> None:
     assert err["param"].split(".")[0] == field
 
 
+def test_wrong_values_of_union_fields_are_named(server) -> None:
+    err = assert_error(post(server, "/v1/chat/completions", json={**CHAT, "stop": ["x"] * 17}), 400, param="stop")
+    assert "at most 16 stop strings, got 17" in err["message"]
+    for prompt in ([1.0], [[1, 2.5]], [True]):
+        err = assert_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": prompt}), 400,
+                           param="prompt")
+        assert "token ids must be integers" in err["message"]
+    err = assert_error(post(server, "/v1/completions", json={"model": MODEL, "prompt": "hi", "best_of": "2"}), 400,
+                       param="best_of")
+    r = post(server, "/v1/chat/completions", json={**CHAT, "stop": ["x"] * 16})
+    assert r.status_code == 200, r.text
+
+
 def test_missing_required_field(server) -> None:
     assert_error(post(server, "/v1/chat/completions", json={"model": MODEL}), 400, param="messages")
     assert_error(post(server, "/v1/completions", json={"model": MODEL}), 400, param="prompt")

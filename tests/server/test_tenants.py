@@ -54,6 +54,7 @@ def test_without_a_tenants_file_there_is_one_tenant_and_nothing_to_share():
     ("tenants:\n  default: {keys: [k]}\n", "name the tenant otherwise"),
     ("tenant:\n  alice: {keys: [k]}\n", "expected one top-level key 'tenants'"),
     ("tenants: [\n", "not valid YAML"),
+    ("tenants:\n  alice: {keys: [k]}\n  alice: {keys: [j]}\n", "'alice' is given twice"),
 ])
 def test_a_bad_tenants_file_is_refused_naming_what_is_wrong(tmp_path, text, message):
     with pytest.raises(TenantsError) as e:
