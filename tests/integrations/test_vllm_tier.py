@@ -217,3 +217,26 @@ def test_remote_tier_only(valkey):
 def test_bad_options_name_the_key(tier, message):
     with pytest.raises(ConfigError, match=message):
         Engine(tier)
+
+
+def test_metrics_go_through_vllms_hooks(store_dir):
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    engine = Engine({"path": store_dir, "size_gib": 0.05})
+    try:
+        definitions = TieringOffloadingSpec.build_metric_definitions(engine.spec.extra_config)
+        assert definitions["hicache:l3_write_bytes"].labelnames == ("tier",)
+        assert "hicache:l3_used_chunks" in definitions
+        engine.store(keys(range(3)))
+        engine.settle()
+        data = engine.manager.get_stats().data["data"]
+        label = (engine.tier.tier_type,)
+        assert data["hicache:l3_write_bytes"][label] == 3 * BLOCK_BYTES
+        assert data["hicache:l3_used_chunks"][label] == 3
+        engine.store(keys(range(3, 4)))
+        engine.settle()
+        data = engine.manager.get_stats().data["data"]
+        assert data["hicache:l3_write_bytes"][label] == BLOCK_BYTES  # a counter's increase since the last call
+        assert engine.tier.config_info()["hicache_path"] == store_dir
+    finally:
+        engine.close()
