@@ -79,7 +79,7 @@ class ChunkStore:
             store_args = dict(
                 path=self.directory, capacity_bytes=capacity, page_bytes=chunk_bytes, namespace=self.namespace,
                 namespace_fields=self.fields, io_backend=options.io_backend, io_threads=options.io_threads,
-                sync_batch_pages=max(1, (options.sync_batch_mib << 20) // chunk_bytes),
+                sync_batch_pages=self.sync_batch_chunks,
                 admission_hits=options.admission_hits, read_limit_bytes_per_s=options.read_limit_gbps * 1e9,
                 write_limit_bytes_per_s=options.write_limit_gbps * 1e9)
         remote_pages = 0

@@ -225,8 +225,9 @@ class HicacheTier(SecondaryTierManager):
         loaded = tuple(key for key, ok in zip(job.keys, results) if ok)
         if self._remote_lookups is not None:
             self._remote_lookups.mark_miss([key for key, ok in zip(job.keys, results) if not ok])
-        logger.warning("hicache tier: %d of %d chunks of load job %d were missing or failed their checksum; "
-                       "vLLM recomputes them", len(job.keys) - len(loaded), len(job.keys), job_id)
+        # counted (hicache:l3_checksum_failures) and logged by the store at most every few seconds: not here, per job
+        logger.debug("hicache tier: %d of %d chunks of load job %d were missing or failed their checksum; "
+                     "vLLM recomputes them", len(job.keys) - len(loaded), len(job.keys), job_id)
         return JobResult(job_id=job_id, success=False, successful_keys=loaded or None, transfer_time=seconds,
                          transfer_bytes=len(loaded) * self.block_size_bytes)
 
