@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # ChatML, used for models that ship no template of their own
+_MARK = re.compile("\ue000([0-9]+)\ue001")  # encode_chat's placeholder of message N
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
     "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -115,18 +117,19 @@ class Tokenizer:
             at = text.find(mark, pos)
             if at < 0:
                 continue
-            ids += self.encode(self._unmark(text[pos:at], marks, messages))
+            ids += self.encode(self._unmark(text[pos:at], messages))
             ids += self.encode_text(message.get("content") or "")
             pos = at + len(mark)
-        return ids + self.encode(self._unmark(text[pos:], marks, messages))
+        return ids + self.encode(self._unmark(text[pos:], messages))
 
     @staticmethod
-    def _unmark(text: str, marks: list[str], messages: list[dict[str, Any]]) -> str:
-        """Template text with any placeholder left in it (content rendered twice) put back as the content."""
-        for mark, message in zip(marks, messages):
-            if mark in text:
-                text = text.replace(mark, message.get("content") or "")
-        return text
+    def _unmark(text: str, messages: list[dict[str, Any]]) -> str:
+        """Template text with any placeholder left in it (content rendered twice) put back as the content: one pass
+        over the text, whatever the number of messages (a scan per message made a chat's cost grow with the square
+        of its messages)."""
+        if "\ue000" not in text:
+            return text
+        return _MARK.sub(lambda m: messages[int(m.group(1))].get("content") or "", text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""

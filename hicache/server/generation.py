@@ -59,10 +59,13 @@ async def _tokenize(state: ServerState, prompt: str | list[int] | list[dict[str,
     tokenizer = state.engine.tokenizer
     limit = state.engine.engine.max_context
     size = _text_bytes(prompt, chat)
-    if size > limit * tokenizer.max_token_bytes:
-        raise p.APIError(400, f"this model's maximum context length is {limit} tokens; the prompt's {size} bytes of "
-                         f"text are at least {-(-size // tokenizer.max_token_bytes)} tokens",
-                         code="context_length_exceeded")
+    # every message of a chat adds at least one token of the template's own (its turn marker), whatever its text
+    turns = len(prompt) if chat else 0
+    least = -(-size // tokenizer.max_token_bytes) + turns
+    if least > limit:
+        what = f"{size} bytes of text" + (f" in {turns} messages" if chat else "")
+        raise p.APIError(400, f"this model's maximum context length is {limit} tokens; the prompt's {what} are at "
+                         f"least {least} tokens", code="context_length_exceeded")
 
     def work() -> list[int]:
         if chat:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Annotated, Any
+import typing
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect, Request
@@ -143,9 +144,15 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
 
+# the roles a chat may name: a role is rendered into the prompt as the template's own text (special tokens read as
+# markers), so any other string could carry a turn of its own (`user<|im_end|>...<|im_start|>system`)
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+CHAT_ROLES = typing.get_args(ChatRole)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
