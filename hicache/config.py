@@ -170,6 +170,9 @@ class ServerConfig:
     api_key: str | None = None
     # a YAML file of tenants, their API keys and their shares of the cache (hicache/server/tenants.py)
     tenants_file: str | None = None
+    # with API keys, /metrics shows the per-tenant series (what each tenant sent and hit) only to a scrape bearing
+    # this key: to anyone else they would tell one tenant what another's requests were
+    metrics_key: str | None = None
     max_body_bytes: int = 4 << 20
     # a request's headers must arrive within header_timeout_s, its body within body_timeout_s of them
     # (hicache/server/http.py); an idle keep-alive connection closes after keep_alive_s
@@ -340,8 +343,10 @@ def validate(cfg: Config, source: str = "<config>") -> Config:
     tenants_file = cfg.server.tenants_file
     if tenants_file is not None and not Path(tenants_file).is_file():
         raise ConfigError(f"{source}: server.tenants_file: {tenants_file!r} is not a file")
-    if cfg.server.api_key is not None and not cfg.server.api_key.strip():
-        raise ConfigError(f"{source}: server.api_key: is empty (omit it, or null, for a server without auth)")
+    for name in ("api_key", "metrics_key"):
+        key = getattr(cfg.server, name)
+        if key is not None and not key.strip():
+            raise ConfigError(f"{source}: server.{name}: is empty (omit it, or null, to set none)")
     _positive(cfg.server.max_body_bytes, "server.max_body_bytes", source)
     for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
         _positive(getattr(cfg.server, name), f"server.{name}", source)

@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-SECRETS = (("server", "api_key"), ("cache.remote", "password"))
+SECRETS = (("server", "api_key"), ("server", "metrics_key"), ("cache.remote", "password"))
 MASK = "********"
 
 

@@ -99,13 +99,14 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, tenants: Te
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         try:
             stats = await asyncio.wait_for(engine.stats(), timeout=2.0)
         except Exception:  # engine busy (timeout) or gone: its last published snapshot
             stats = engine.runner.stats()
         l3 = await asyncio.to_thread(cache.l3.stats) if cache.l3 is not None else None
-        return Response(state.metrics.render(stats, l3), media_type=CONTENT_TYPE)
+        show = tenants.may_see_tenant_series(request.headers.get("authorization", ""), config.server.metrics_key)
+        return Response(state.metrics.render(stats, l3, tenant_series=show), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-tokens", type=int, help="prefill tokens per step (scheduler.chunk_tokens)")
     p.add_argument("--max-context-tokens", type=int, help="context limit (scheduler.max_context_tokens)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (or set ${API_KEY_ENV})")
+    p.add_argument("--metrics-key", help="with API keys, the bearer key a /metrics scrape needs to see the per-tenant "
+                   "series (server.metrics_key)")
     p.add_argument("--tenants", metavar="FILE", help="a YAML file of tenants: each one's API keys and share of the "
                    "cache; a tenant's requests match only its own cached prefixes (server.tenants_file; "
                    "docs/server.md, 'Tenants')")
@@ -87,7 +89,7 @@ def build_config(args: argparse.Namespace) -> Config:
         "model.cuda_graph_max_batch": args.cuda_graph_max_batch, "model.decode_kernel": args.decode_kernel,
         "server.host": args.host, "server.port": args.port, "server.served_model_name": args.served_model_name,
         "server.max_body_bytes": args.max_body_bytes, "server.trace_log": args.trace_log,
-        "server.tenants_file": args.tenants,
+        "server.tenants_file": args.tenants, "server.metrics_key": args.metrics_key,
         "cache.page_size": args.page_size, "cache.load_policy.mode": args.load_mode,
         "cache.load_policy.overlap": args.load_overlap,
         "scheduler.max_running_requests": args.max_running_requests, "scheduler.chunk_tokens": args.chunk_tokens,

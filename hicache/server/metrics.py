@@ -299,10 +299,25 @@ class ServerMetrics:
             for tier in TIERS:
                 self.tenant_cached_tokens.labels(tenant, tier)
 
-    def render(self, stats: dict[str, Any], l3: dict[str, Any] | None) -> bytes:
-        """The exposition text for these stats."""
+    def render(self, stats: dict[str, Any], l3: dict[str, Any] | None, tenant_series: bool = True) -> bytes:
+        """The exposition text for these stats; without `tenant_series`, the per-tenant families
+        (`hicache_tenant_*`) are left out."""
         self.cache.stats, self.cache.l3 = stats, l3
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        if tenant_series:
+            return text
+        return b"".join(line for line in text.splitlines(keepends=True) if not _tenant_line(line))
+
+
+TENANT_PREFIX = b"hicache_tenant_"
+
+
+def _tenant_line(line: bytes) -> bool:
+    """Whether an exposition line belongs to a per-tenant family: its samples, and its HELP and TYPE lines."""
+    if line.startswith(b"# "):
+        parts = line.split(b" ", 3)
+        return len(parts) > 2 and parts[2].startswith(TENANT_PREFIX)
+    return line.startswith(TENANT_PREFIX)
 
 
 def _state_gauge(name: str, doc: str, states: tuple[str, ...], state: str) -> GaugeMetricFamily:

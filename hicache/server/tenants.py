@@ -122,6 +122,21 @@ class Tenants:
                 found = tenant
         return found if scheme.lower() == "bearer" else None
 
+    def may_see_tenant_series(self, header: str, metrics_key: str | None) -> bool:
+        """Whether a /metrics scrape with this Authorization header may see the per-tenant series: on an open
+        server anyone (one tenant, whose figures are the server's); with API keys only a bearer of `metrics_key`
+        (none set: nobody), as each tenant's counters would tell one tenant what another sent and hit."""
+        if self.open_access:
+            return True
+        if not metrics_key:
+            return False
+        scheme, _, token = header.partition(" ")
+        try:
+            raw = token.strip().encode("latin-1")
+        except UnicodeEncodeError:
+            return False
+        return scheme.lower() == "bearer" and bool(raw) and hmac.compare_digest(raw, metrics_key.encode("utf-8"))
+
     @staticmethod
     def namespace(tenant: Tenant, salt: str | None) -> CacheNamespace:
         """The cache namespace of a request of `tenant` with `cache_salt` `salt`."""

@@ -93,9 +93,9 @@ class ServerProcess:
         self._log.close()
 
 
-def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def metrics(url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """/metrics parsed with prometheus_client: (sample name, sorted labels) -> value."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

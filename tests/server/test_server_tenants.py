@@ -25,7 +25,8 @@ def test_tenants_are_isolated_and_counted_by_name(start_server, tmp_path):
     tenants.write_text("tenants:\n  alice: {keys: [key-alice], share: 0.5}\n  bob: {keys: [key-bob]}\n"
                        "  ops: {keys: [key-ops], shared: true}\n")
     trace = tmp_path / "trace.jsonl"
-    server = start_server("--config", str(tiny_config(tmp_path)), "--tenants", str(tenants), "--trace-log", str(trace))
+    server = start_server("--config", str(tiny_config(tmp_path)), "--tenants", str(tenants), "--trace-log", str(trace),
+                          "--metrics-key", "key-metrics")
     first = complete(server, "key-alice").json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     again = complete(server, "key-alice").json()
@@ -40,7 +41,11 @@ def test_tenants_are_isolated_and_counted_by_name(start_server, tmp_path):
     r = complete(server, "key-alice", cache_salt="")
     assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"]
 
-    values = metrics(server.url)
+    for headers in ({}, {"Authorization": "Bearer key-alice"}, {"Authorization": "Bearer"}):
+        # without the metrics key, nothing says which tenant sent or hit what
+        assert "hicache_tenant_" not in httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
+    values = metrics(server.url, headers={"Authorization": "Bearer key-metrics"})
+    assert metric(values, "hicache_request_prompt_tokens_total") > 0  # the server's own series stay for everyone
     cached = {t: sum(metric(values, "hicache_tenant_cached_tokens_total", tenant=t, tier=tier)
                      for tier in ("device", "host", "disk", "remote")) for t in ("alice", "bob", "ops")}
     assert cached["alice"] == again["usage"]["prompt_tokens_details"]["cached_tokens"] + \
