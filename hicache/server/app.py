@@ -38,7 +38,9 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, tenants: Te
     who may call it and in which cache namespace (default: everyone, in one)."""
     prometheus_client.disable_created_metrics()
     cache = engine.engine.cache
-    _ = engine.tokenizer.max_token_bytes  # the bound on text that can fit the context, worked out before serving
+    # the most text (in bytes) and so the most commas a request that fits the context can hold: token ids, and the
+    # commas of its text, plus the other fields' (stop token ids, stop strings), worked out before serving
+    max_commas = engine.engine.max_context * (engine.tokenizer.max_token_bytes + 3) + 4096
     tenants = tenants if tenants is not None else Tenants.build(None, None)
     state = ServerState(
         engine, config, model_name, ServerMetrics(cache.sizes.page_bytes, tenants.group_names(), tenants.names),
@@ -118,14 +120,14 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, tenants: Te
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant = authorize(request)
-        req = p.validate(p.CompletionRequest, await p.read_json(request, config.server.max_body_bytes))
+        req = await p.read_request(request, config.server.max_body_bytes, p.CompletionRequest, max_commas)
         prompt = p.completion_prompt(req)
         return await generate(state, request, req, prompt, chat=False, tenant=tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant = authorize(request)
-        req = p.validate(p.ChatCompletionRequest, await p.read_json(request, config.server.max_body_bytes))
+        req = await p.read_request(request, config.server.max_body_bytes, p.ChatCompletionRequest, max_commas)
         messages = p.chat_messages(req)
         return await generate(state, request, req, messages, chat=True, tenant=tenant)
 

@@ -9,13 +9,23 @@ remote tier's pages, which this server's local disk store does not hold).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
 from starlette.requests import ClientDisconnect, Request
 
 from controller.stats import HIT_TIERS
@@ -84,13 +94,18 @@ def _stop(value: Any) -> Any:
     return value
 
 
-def _prompt(value: Any) -> Any:
-    """`prompt`: a string, strings, token ids or lists of token ids; numbers that are not integers are named."""
-    items = value if isinstance(value, list) else []
-    flat = [x for item in items for x in (item if isinstance(item, list) else [item])]
-    if any(isinstance(x, bool) or (isinstance(x, float)) for x in flat):
-        raise ValueError("token ids must be integers")
-    return value
+def _prompt(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """`prompt`: a string, strings, token ids or lists of token ids, validated in pydantic's own code (a prompt of
+    millions of ids is checked without a Python call per id); where that fails on numbers that are not integers,
+    the error says so rather than naming the union's first branch."""
+    try:
+        return handler(value)
+    except ValidationError:
+        items = value if isinstance(value, list) else []
+        flat = [x for item in items for x in (item if isinstance(item, list) else [item])]
+        if any(isinstance(x, (bool, float)) for x in flat):
+            raise ValueError("token ids must be integers") from None
+        raise
 
 
 Integer = Annotated[int, BeforeValidator(_integer)]
@@ -138,7 +153,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions: one prompt as text or token ids."""
 
-    prompt: Annotated[str | list[str] | list[Integer] | list[list[Integer]], BeforeValidator(_prompt)]
+    prompt: Annotated[str | list[str] | list[StrictInt] | list[list[StrictInt]], WrapValidator(_prompt)]
     echo: Boolean = False
     best_of: Integer | None = None  # a JSON integer: "2" is refused as the docs say
     suffix: str | None = None
@@ -224,8 +239,35 @@ def now() -> int:
 # ---------------------------------------------------------------------- parsing requests
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON; 413 beyond `limit` bytes, 400 if it is not JSON or its framing is ambiguous.
+async def read_request(request: Request, limit: int, model: type[BaseModel], max_commas: int | None = None) -> Any:
+    """The request body as `model`: read on the event loop, parsed and validated in a worker thread, so that a
+    large body does not hold up other requests, /health and the streams being sent.
+
+    `max_commas`: the most commas a request that can fit the context holds (its token ids, and the commas of its
+    text, bounded by the text that fits). A body with more, such as a prompt of millions of token ids, is refused
+    before it is parsed: parsing 4 MB of numbers holds the interpreter lock for most of a second."""
+    body = await read_body(request, limit)
+    if max_commas is not None:
+        commas = body.count(b",")
+        if commas > max_commas:
+            raise APIError(400, f"the request holds {commas} items or more: more than any prompt that fits this "
+                           "model's context", code="context_length_exceeded")
+    return await asyncio.to_thread(parse_request, body, model)
+
+
+def parse_request(body: bytes | bytearray, model: type[BaseModel]) -> Any:
+    """A request body as `model` (400 naming what is wrong)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
+    return validate(model, data)
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request body's bytes; 413 beyond `limit` bytes, 400 if its framing is ambiguous.
 
     A body over the limit is read to its end and dropped (up to DRAIN_LIMIT bytes more), so that a client still
     sending it gets the 413 rather than a connection reset. A client that goes away while sending is answered
@@ -252,13 +294,7 @@ async def read_json(request: Request, limit: int) -> Any:
     if size > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}" if declared is not None
                        else f"request body exceeds the limit of {limit} bytes")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise APIError(400, "malformed JSON body: nested too deeply") from None
-    return data
+    return body
 
 
 DRAIN_LIMIT = 16 << 20  # bytes of a too-large body read and dropped before answering 413
