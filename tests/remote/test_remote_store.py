@@ -84,6 +84,10 @@ def test_corrupted_and_foreign_values_are_counted_misses_never_served(valkey):
     out = [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(3)]
     assert store.read_pages(_keys(3), out) == [False, False, False]
     assert store.stats()["bad_values"] == 3 and store.stats()["hits"] == 0
+    # read once: deleted, so no probe finds them and no read fetches them again
+    assert store.stats()["bad_deleted"] == 3 and store.contains(_keys(3)) == [False, False, False]
+    assert store.read_pages(_keys(3), out) == [False, False, False]
+    assert store.stats()["bad_values"] == 3 and store.stats()["vanished"] == 3
     store.write_pages(_keys(1), pages[:1])  # rewritten: served again
     assert store.read_pages(_keys(1), out[:1]) == [True] and torch.equal(out[0], pages[0])
 

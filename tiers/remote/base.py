@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tiers.l3.admission import admission_policy
+from tiers.l3.entry import READ_FAILURE_LOG_S
 from tiers.l3.format import NAMESPACE_BYTES, bound_checksum, checksum
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ HEADER = struct.Struct("<4sHHQQ16s16s")
 HEADER_BYTES = 64  # HEADER (56 bytes), zero-padded
 BATCH_BYTES = 64 << 20  # pages per pipelined batch: at most `batch_pages`, and about this many bytes
 COUNTERS = ("reads", "read_bytes", "hits", "misses", "vanished", "bad_values", "writes", "write_bytes",
-            "write_refused", "not_admitted", "full", "probes", "probe_hits", "errors", "reconnects", "deletes")
+            "write_refused", "not_admitted", "full", "probes", "probe_hits", "errors", "reconnects", "deletes",
+            "bad_deleted")
 
 
 class RemoteError(OSError):
@@ -99,6 +101,8 @@ class RemoteStore:
         self._backoff = retry_min_s
         self._closed = False
         self._log = logging.getLogger(type(self).__module__)
+        self._bad_unlogged = 0  # values that failed verification since the last log line
+        self._bad_logged_at = -READ_FAILURE_LOG_S
 
     @property
     def state(self) -> str:
@@ -183,9 +187,13 @@ class RemoteStore:
                      reasons: list[str | None]) -> None:
         raise NotImplementedError
 
-    def _count_reads(self, pages: int, outcomes: Counter[str]) -> None:
+    def _count_reads(self, pages: int, outcomes: Counter[str], bad: Sequence[bytes] = ()) -> None:
         """Count a batch's reads by outcome: "hit" (verified), "nil" (the key was gone), "bad" / "size" (a value that
-        failed verification: logged), "error"."""
+        failed verification), "error". The keys of values that failed (`bad`) are deleted: no one can use them, and
+        left in place every probe would find them and every read fetch them again. Failures are logged at most once
+        per READ_FAILURE_LOG_S, with the count since the last line."""
+        gone = self._remove(bad) if bad else 0
+        now = time.monotonic()
         with self._lock:
             c = self._counters
             c["reads"] += pages
@@ -194,10 +202,16 @@ class RemoteStore:
             c["vanished"] += outcomes["nil"]
             c["misses"] += pages - outcomes["hit"]
             c["bad_values"] += outcomes["bad"] + outcomes["size"]
+            c["bad_deleted"] += gone
             c["errors"] += outcomes["error"]
-        if outcomes["bad"] + outcomes["size"]:
-            self._log.error("remote tier %s: %d values failed verification (wrong header, size or checksum): "
-                            "served as misses", self.address, outcomes["bad"] + outcomes["size"])
+            self._bad_unlogged += outcomes["bad"] + outcomes["size"]
+            report = self._bad_unlogged and now - self._bad_logged_at >= READ_FAILURE_LOG_S
+            if report:
+                count, self._bad_unlogged, self._bad_logged_at = self._bad_unlogged, 0, now
+        if report:
+            self._log.error("remote tier %s: %d values failed verification (wrong header, size or checksum): served "
+                            "as misses and deleted (bad_values counts them; this line at most every %.0f s)",
+                            self.address, count, READ_FAILURE_LOG_S)
 
     def _count_writes(self, batch: list[int], results: list[bool], full: int = 0) -> None:
         with self._lock:

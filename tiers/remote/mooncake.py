@@ -172,6 +172,7 @@ class MooncakeStore(RemoteStore):
         if got is None:
             return
         outcomes: Counter[str] = Counter()
+        bad: list[bytes] = []
         for j, i in enumerate(range(start, end)):
             size = got[j]
             if size == value_bytes:
@@ -182,13 +183,16 @@ class MooncakeStore(RemoteStore):
                     np.frombuffer(views[j], dtype=np.uint8)[:] = value[HEADER_BYTES:]
                 outcomes["hit" if ok else "bad"] += 1
                 results[i] = ok
+                if not ok:
+                    bad.append(keys[i])
             elif size == NOT_FOUND:
                 outcomes["nil"] += 1
             elif size >= 0:
                 outcomes["size"] += 1
+                bad.append(keys[i])
             else:
                 outcomes["error"] += 1
-        self._count_reads(end - start, outcomes)
+        self._count_reads(end - start, outcomes, bad)
 
     def _write_batch(self, keys: Sequence[bytes], pages: Sequence[Any], batch: list[int], results: list[bool],
                      reasons: list[str | None]) -> None:

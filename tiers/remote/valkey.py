@@ -241,6 +241,7 @@ class ValkeyStore(RemoteStore):
             return
         header = memoryview(bytearray(HEADER_BYTES))
         outcomes: Counter[str] = Counter()
+        bad: list[bytes] = []
         try:
             conn.send(commands)
             for i in range(start, end):
@@ -250,10 +251,12 @@ class ValkeyStore(RemoteStore):
                     got = "hit" if self._verify(keys[i], header, page) else "bad"
                 outcomes[got] += 1
                 results[i] = got == "hit"
+                if got in ("bad", "size"):
+                    bad.append(keys[i])
         except (OSError, ValueError) as e:
             self._down(conn, f"read: {e}")
             return
-        self._count_reads(end - start, outcomes)
+        self._count_reads(end - start, outcomes, bad)
 
     def _verify(self, key: bytes, header: memoryview, page: memoryview) -> bool:
         return header_matches(self.namespace, key, header, page, self.page_bytes)
