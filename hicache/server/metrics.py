@@ -19,11 +19,14 @@ from radix import DEVICE, DISK, HOST, TIERS
 PROMOTIONS = ((HOST, DEVICE), (DISK, HOST), (DISK, DEVICE))
 DEMOTIONS = ((DEVICE, HOST), (HOST, DISK), (DEVICE, DISK))
 REMOTE_STATES = ("ok", "down", "auth_failed", "disabled")
-REMOTE_COUNTERS = ("reads", "read_bytes", "hits", "misses", "vanished", "bad_values", "writes", "write_bytes",
-                   "write_refused", "not_admitted", "full", "probes", "probe_hits", "errors", "reconnects")
+REMOTE_COUNTERS = ("reads", "read_bytes", "hits", "misses", "vanished", "bad_values", "bad_deleted", "writes",
+                   "write_bytes", "write_refused", "not_admitted", "full", "probes", "probe_hits", "errors", "reconnects")
 L3_STATES = ("ok", "probing", "degraded", "read_only", "gone", "disabled")
+# the faults among them (short reads: a slab cut short under the store; index resets and dropped entries: an index
+# found damaged or pointing past the slab at open or reopen) are what an operator alerts on
 L3_COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "hits", "misses", "checksum_failures",
-               "read_errors", "write_errors", "evictions", "fsyncs")
+               "short_reads", "read_errors", "write_errors", "write_refused", "evictions", "fsyncs", "index_resets",
+               "dropped_entries")
 # latency buckets in seconds, from 1 ms (a GPU prefix hit) to minutes (a long queue)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)

@@ -26,6 +26,15 @@ def test_a_process_l3_with_a_shared_tier_behind_it():
     assert f["hicache_l3_write_waiting_pages"][()] == 5
 
 
+def test_the_l3_faults_an_operator_alerts_on_are_counted():
+    l3 = {"state": "ok", "io_backend": "posix", "short_reads": 3, "index_resets": 1, "dropped_entries": 81,
+          "write_refused": 4, "remote": {"state": "ok", "bad_values": 2, "bad_deleted": 2}}
+    ops = _families(l3)["hicache_l3_operations"]
+    assert (ops[("short_reads",)], ops[("index_resets",)], ops[("dropped_entries",)], ops[("write_refused",)]) == (
+        3, 1, 81, 4)
+    assert _families(l3)["hicache_remote_operations"][("bad_deleted",)] == 2
+
+
 def test_no_l3_and_no_shared_tier():
     f = _families(None)
     assert f["hicache_l3_state"][("disabled",)] == 1.0 and f["hicache_remote_state"][("disabled",)] == 1.0
