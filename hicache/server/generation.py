@@ -185,10 +185,18 @@ async def generate(state: ServerState, request: Request, req: Any, prompt: Any, 
             streaming = True  # from here _stream owns the request
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, last = first.text_delta, first
-        async for out in outputs:
-            tracker.saw(out)
-            text += out.text_delta
-            last = out
+        try:
+            async for out in outputs:
+                tracker.saw(out)
+                text += out.text_delta
+                last = out
+        except asyncio.CancelledError:
+            # the server cancels what is left once its drain timeout is over (a client that goes away aborts the
+            # request through the watcher instead): the client still gets an answer, and the log one line
+            logger.warning("%s: the server shut down before the request finished (--drain-timeout); answered 503",
+                           request_id)
+            raise p.APIError(503, "the server shut down before this request finished (its drain timeout ran "
+                             "out); retry it on a running server", "server_error") from None
         tracker.finish(last)
         if last.finish_reason == "error":
             raise _error_from_output(last)

@@ -89,3 +89,24 @@ def test_non_stream_disconnect_aborts(server) -> None:
     r = httpx.post(f"{server.url}/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "after", "max_tokens": 500, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 500
+
+
+def test_a_request_cut_off_by_the_drain_timeout_gets_a_503(tmp_path, start_server) -> None:
+    # no drain time at all: the request, running when SIGTERM comes, is cut off whatever the speed of the machine
+    server = start_server("--config", str(tiny_config(tmp_path)), "--no-l3", "--drain-timeout", "0")
+    answers: list[httpx.Response] = []
+    body = {"model": MODEL, "prompt": "talk for long", "max_tokens": 1900, "ignore_eos": True}
+
+    def ask() -> None:
+        answers.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=60))
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    assert wait_for(lambda: running(server.url) == 1, timeout=30)
+    server.stop(timeout=60)
+    thread.join(60)
+    r = answers[0]
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["type"] == "server_error" and "drain timeout" in r.json()["error"]["message"]
+    log = server.log()
+    assert "answered 503" in log and "CancelledError" not in log and "Traceback" not in log
