@@ -20,7 +20,8 @@ PROMOTIONS = ((HOST, DEVICE), (DISK, HOST), (DISK, DEVICE))
 DEMOTIONS = ((DEVICE, HOST), (HOST, DISK), (DEVICE, DISK))
 REMOTE_STATES = ("ok", "down", "auth_failed", "disabled")
 REMOTE_COUNTERS = ("reads", "read_bytes", "hits", "misses", "vanished", "bad_values", "bad_deleted", "writes",
-                   "write_bytes", "write_refused", "not_admitted", "full", "probes", "probe_hits", "errors", "reconnects")
+                   "write_bytes", "write_refused", "not_admitted", "full", "probes", "probe_hits", "errors",
+                   "reconnects")
 L3_STATES = ("ok", "probing", "degraded", "read_only", "gone", "disabled")
 # the faults among them (short reads: a slab cut short under the store; index resets and dropped entries: an index
 # found damaged or pointing past the slab at open or reopen) are what an operator alerts on

@@ -105,7 +105,8 @@ def test_text_too_long_for_the_context_whatever_its_tokens_is_refused_untokenize
 def test_a_prompt_of_millions_of_token_ids_is_refused_unparsed(server) -> None:
     """2,000,000 one-digit ids (a 4 MB body) cannot fit the context: refused by counting the body's separators,
     before the JSON is parsed (parsing it held the event loop for most of a second)."""
-    body = '{"model":"%s","max_tokens":1,"prompt":[%s]}' % (MODEL, ",".join(["7"] * 2_000_000))
+    ids = ",".join(["7"] * 2_000_000)
+    body = f'{{"model":"{MODEL}","max_tokens":1,"prompt":[{ids}]}}'
     r = post(server, "/v1/completions", content=body.encode(), headers={"Content-Type": "application/json"})
     err = assert_error(r, 400, code="context_length_exceeded")
     assert "the request holds 2000001 items or more" in err["message"]
