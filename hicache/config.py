@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -234,6 +235,8 @@ def _convert(value: Any, tp: Any, key: str, source: str) -> Any:
             raise ConfigError(f"{source}: {key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value):
+            return float(value)  # YAML 1.1 reads 1e12 (no dot) as a string: it is the number its writer meant
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: {key}: expected a number, got {value!r}")
         return float(value)
@@ -242,6 +245,9 @@ def _convert(value: Any, tp: Any, key: str, source: str) -> Any:
             raise ConfigError(f"{source}: {key}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{source}: {key}: unsupported type {_type_name(tp)}")
+
+
+_EXPONENT_NUMBER = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:

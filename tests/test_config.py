@@ -244,3 +244,15 @@ def test_a_missing_tenants_file_is_a_config_error(tmp_path, capsys):
     path.write_text(f"server:\n  tenants_file: {tmp_path / 'nope.yaml'}\n")
     assert main(["config", str(path)]) == 2
     assert "server.tenants_file:" in capsys.readouterr().err
+
+
+def test_a_number_in_exponent_notation_is_a_number(tmp_path):
+    from hicache.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("cache:\n  host:\n    size_gib: 1e3\n  l3:\n    path: /tmp/l3\n    size_gib: 2.5E+2\n")
+    cfg = load_config(path)  # YAML 1.1 reads `1e3` as a string
+    assert cfg.cache.host.size_gib == 1000.0 and cfg.cache.l3.size_gib == 250.0
+    path.write_text("cache:\n  host:\n    size_gib: 1e3x\n")
+    with pytest.raises(ConfigError, match="cache.host.size_gib: expected a number, got '1e3x'"):
+        load_config(path)

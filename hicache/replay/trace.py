@@ -188,6 +188,9 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>", block_tokens: int |
                 fmt = TRACE_LOG if isinstance(obj, dict) and "block_tokens" in obj else MOONCAKE
                 bt = block_tokens or 512
                 if fmt == TRACE_LOG:
+                    if obj.get("v", TRACE_LOG_VERSION) != TRACE_LOG_VERSION:
+                        raise TraceError(f"{path}:{lineno}: trace log version {obj['v']!r}; this hicache reads "
+                                         f"version {TRACE_LOG_VERSION}")
                     bt = _int(obj, "block_tokens", 1)
                     if block_tokens is not None and block_tokens != bt:
                         raise TraceError(f"{path}:{lineno}: trace log has block_tokens {bt} but "
@@ -196,6 +199,9 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>", block_tokens: int |
                 rec = _parse(obj, fmt, bt)
                 trace = candidate
             else:
+                if trace.format == TRACE_LOG and isinstance(obj, dict) and obj.get("v", TRACE_LOG_VERSION) != \
+                        TRACE_LOG_VERSION:
+                    raise ValueError(f"trace log version {obj['v']!r}, not {TRACE_LOG_VERSION}")
                 rec = _parse(obj, trace.format, trace.block_tokens)
         except (ValueError, TypeError) as e:
             if isinstance(e, TraceError):

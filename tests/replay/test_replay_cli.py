@@ -58,6 +58,11 @@ def test_trace_log_round_trip_and_server_cap(tmp_path: Path) -> None:
         parse_lines(lines, block_tokens=16)
     with pytest.raises(ValueError, match="page ids"):
         trace_line(0.0, 33, 1, keys[:3], 8, {}, None)
+    future = [json.dumps({**json.loads(line), "v": 99}) for line in lines]
+    with pytest.raises(TraceError, match=r":1: trace log version 99; this hicache reads version 1"):
+        parse_lines(future)
+    mixed = parse_lines([lines[0], future[1]])  # a later line of another version is a bad line, named
+    assert len(mixed.records) == 1 and mixed.bad_lines == [(2, "trace log version 99, not 1")]
 
 
 def test_json_figures_and_exit_codes(tmp_path: Path) -> None:
