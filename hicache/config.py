@@ -262,18 +262,6 @@ def _build(cls: type, data: dict[str, Any], prefix: str, source: str) -> Any:
     return _construct(cls, kwargs, prefix, source)
 
 
-def build_section(cls: type, data: dict[str, Any], source: str, prefix: str = "") -> Any:
-    """A dataclass `cls` from plain data, checked as the config's sections are: an unknown key, a wrong type or a
-    value the class refuses is a ConfigError naming the key's path and `source` (the engines' tier options,
-    hicache/integrations/options.py, use it too)."""
-    return _build(cls, data, prefix, source)
-
-
-def check_positive(value: float | int | None, key: str, source: str, allow_zero: bool = False) -> None:
-    """ConfigError naming `key` unless `value` is finite and > 0 (>= 0 with `allow_zero`); None passes."""
-    _positive(value, key, source, allow_zero)
-
-
 def _construct(cls: type, kwargs: dict[str, Any], prefix: str, source: str, base: Any = None) -> Any:
     """cls(**kwargs) (or `base` with kwargs replaced): a ValueError of the class's own checks (e.g. WritePolicy's,
     "defer_above_free: must be ...") becomes a ConfigError naming the key's path and the source."""
@@ -290,6 +278,12 @@ def _positive(value: float | int | None, key: str, source: str, allow_zero: bool
         raise ConfigError(f"{source}: {key}: must be finite, got {value}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{source}: {key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+# the config's own checks, for other typed options (an engine's tier options, hicache/integrations/options.py):
+# build_section(cls, data, prefix, source) and check_positive(value, key, source, allow_zero)
+build_section = _build
+check_positive = _positive
 
 
 def _check_size(size: Any, key: str, source: str, allow_zero: bool, optional: bool = False) -> None:

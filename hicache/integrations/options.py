@@ -46,7 +46,7 @@ class TierOptions:
     @classmethod
     def parse(cls, data: dict[str, Any], source: str) -> TierOptions:
         """Options from an engine's configuration (ConfigError naming the bad key and `source` otherwise)."""
-        options: TierOptions = build_section(cls, dict(data), source)
+        options: TierOptions = build_section(cls, dict(data), "", source)
         options.check(source)
         return options
 
