@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import prometheus_client
 from fastapi import FastAPI, Request
@@ -30,6 +32,10 @@ from hicache.server.tenants import Tenant, Tenants
 from hicache.server.trace_log import TraceLog
 
 logger = logging.getLogger(__name__)
+
+# /metrics renders its text at most this often, sooner once a request started or finished: a render costs the
+# interpreter lock the engine thread needs, and scrapers (eight, back to back) slowed requests fivefold
+METRICS_TTL_S = 1.0
 
 
 def create_app(engine: AsyncEngine, config: Config, model_name: str, tenants: Tenants | None = None,
@@ -100,15 +106,40 @@ def create_app(engine: AsyncEngine, config: Config, model_name: str, tenants: Te
             return JSONResponse({"status": "error", "error": repr(runner.error)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    taking: dict[str, asyncio.Task[dict[str, Any]]] = {}  # the engine-thread stats call in flight, if any
+
+    def taken(task: asyncio.Task[dict[str, Any]]) -> None:
+        taking.pop("stats", None)
+        if not task.cancelled():
+            task.exception()  # retrieved: every scrape that awaited it fell back on its own
+
+    async def engine_stats() -> dict[str, Any]:
+        """A fresh snapshot of the engine's stats; scrapes that come while one is being taken share it, so that
+        many scrapers cost the engine thread one call, not one each."""
+        task = taking.get("stats")
+        if task is None:
+            task = taking["stats"] = asyncio.ensure_future(asyncio.wait_for(engine.stats(), timeout=2.0))
+            task.add_done_callback(taken)
+        try:
+            return await asyncio.shield(task)
+        except Exception:  # engine busy (timeout) or gone: its last published snapshot
+            return engine.runner.stats()
+
+    rendered: dict[bool, tuple[float, int, bytes]] = {}  # tenant series shown -> (when, metrics version, text)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        try:
-            stats = await asyncio.wait_for(engine.stats(), timeout=2.0)
-        except Exception:  # engine busy (timeout) or gone: its last published snapshot
-            stats = engine.runner.stats()
-        l3 = await asyncio.to_thread(cache.l3.stats) if cache.l3 is not None else None
         show = tenants.may_see_tenant_series(request.headers.get("authorization", ""), config.server.metrics_key)
-        return Response(state.metrics.render(stats, l3, tenant_series=show), media_type=CONTENT_TYPE)
+        now, version = time.monotonic(), state.metrics.version
+        last = rendered.get(show)
+        if last is not None and now - last[0] < METRICS_TTL_S and last[1] == version:
+            return Response(last[2], media_type=CONTENT_TYPE)  # many scrapers cost one render a second
+        stats = await engine_stats()
+        l3 = await asyncio.to_thread(cache.l3.stats) if cache.l3 is not None else None
+        # rendered off the event loop: the streams being sent do not wait for it
+        text = await asyncio.to_thread(state.metrics.render, stats, l3, show)
+        rendered[show] = (now, version, text)
+        return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -105,6 +105,7 @@ class _Tracker:
         self.first_token: float | None = None
         self.done = False
         state.metrics.in_flight.inc()
+        state.metrics.version += 1
 
     def saw(self, out: StepOutput) -> None:
         if self.first_token is None and out.new_token_ids:
@@ -117,6 +118,7 @@ class _Tracker:
         self.done = True
         m = self.state.metrics
         m.in_flight.dec()
+        m.version += 1
         reason = out.finish_reason if out is not None and out.finish_reason else "abort"
         m.requests.labels(reason).inc()
         m.latency.observe(time.perf_counter() - self.arrival)

@@ -6,6 +6,7 @@ store's `stats()`; request figures (TTFT, latency, finish reasons) are observed 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -273,6 +274,8 @@ class ServerMetrics:
     def __init__(self, page_bytes: int, group_names: dict[int, str] | None = None,
                  tenant_names: tuple[str, ...] = ("default",)):
         self.registry = CollectorRegistry(auto_describe=False)
+        self._render_lock = threading.Lock()
+        self.version = 0  # bumped as a request starts and finishes (generation._Tracker): /metrics renders anew
         self.cache = CacheCollector(page_bytes, group_names)
         self.registry.register(self.cache)
         self.registry.register(GcCollector())
@@ -306,8 +309,9 @@ class ServerMetrics:
     def render(self, stats: dict[str, Any], l3: dict[str, Any] | None, tenant_series: bool = True) -> bytes:
         """The exposition text for these stats; without `tenant_series`, the per-tenant families
         (`hicache_tenant_*`) are left out."""
-        self.cache.stats, self.cache.l3 = stats, l3
-        text = generate_latest(self.registry)
+        with self._render_lock:  # scrapes render in worker threads, and the collector holds one scrape's stats
+            self.cache.stats, self.cache.l3 = stats, l3
+            text = generate_latest(self.registry)
         if tenant_series:
             return text
         return b"".join(line for line in text.splitlines(keepends=True) if not _tenant_line(line))
