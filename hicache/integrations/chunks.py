@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from hicache.cache import REMOTE_PASSWORD_ENV
 from hicache.config import ConfigError
 from hicache.integrations.options import TierOptions
 from radix import namespace_fingerprint, namespace_id
@@ -32,7 +33,6 @@ from tiers.persistent import open_persistent
 
 logger = logging.getLogger(__name__)
 
-REMOTE_PASSWORD_ENV = "HICACHE_REMOTE_PASSWORD"
 _GIB = 1 << 30
 
 

@@ -13,7 +13,6 @@ import asyncio
 import json
 import math
 import time
-import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -162,7 +161,6 @@ class CompletionRequest(_SamplingRequest):
 # the roles a chat may name: a role is rendered into the prompt as the template's own text (special tokens read as
 # markers), so any other string could carry a turn of its own (`user<|im_end|>...<|im_start|>system`)
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
-CHAT_ROLES = typing.get_args(ChatRole)
 
 
 class ChatMessage(BaseModel):

@@ -109,18 +109,14 @@ class Tenants:
         matched. Without keys every request is the default tenant."""
         if self.open_access:
             return self.tenants[0]
-        scheme, _, token = header.partition(" ")
-        try:
-            raw = token.strip().encode("latin-1")
-        except UnicodeEncodeError:  # not a header's bytes: nothing a client sent
-            return None
-        if not raw:  # an empty token is no key, whatever keys were configured
+        raw = _bearer_token(header)
+        if raw is None:
             return None
         found = None
         for key, tenant in self._keys:
             if hmac.compare_digest(raw, key) and found is None:
                 found = tenant
-        return found if scheme.lower() == "bearer" else None
+        return found
 
     def may_see_tenant_series(self, header: str, metrics_key: str | None) -> bool:
         """Whether a /metrics scrape with this Authorization header may see the per-tenant series: on an open
@@ -128,14 +124,8 @@ class Tenants:
         (none set: nobody), as each tenant's counters would tell one tenant what another sent and hit."""
         if self.open_access:
             return True
-        if not metrics_key:
-            return False
-        scheme, _, token = header.partition(" ")
-        try:
-            raw = token.strip().encode("latin-1")
-        except UnicodeEncodeError:
-            return False
-        return scheme.lower() == "bearer" and bool(raw) and hmac.compare_digest(raw, metrics_key.encode("utf-8"))
+        raw = _bearer_token(header)
+        return bool(metrics_key) and raw is not None and hmac.compare_digest(raw, metrics_key.encode("utf-8"))
 
     @staticmethod
     def namespace(tenant: Tenant, salt: str | None) -> CacheNamespace:
@@ -163,6 +153,18 @@ class Tenants:
         names = {SHARED_GROUP: SHARED_NAME if self.isolated else DEFAULT_TENANT}
         names.update({t.group: t.name for t in self.tenants if not t.shared})
         return names
+
+
+def _bearer_token(header: str) -> bytes | None:
+    """The token of an Authorization header's `Bearer <token>` (the scheme in any case, RFC 7235) as the bytes the
+    client sent (the server hands headers over decoded as Latin-1); None for another scheme, no token (an empty
+    token is no key, whatever keys were configured) or characters no header carries."""
+    scheme, _, token = header.partition(" ")
+    try:
+        raw = token.strip().encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+    return raw if raw and scheme.lower() == "bearer" else None
 
 
 class _UniqueKeys(yaml.SafeLoader):
