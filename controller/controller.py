@@ -159,10 +159,12 @@ class TierController:
             self.tree.set_quotas(tier, {group: int(capacity * share) for group, share in shares.items()})
 
     def acquire(self, tokens: Sequence[int], max_pages: int | None = None, overlap: bool = False,
-                replaces: LoadTicket | None = None, namespace: CacheNamespace = DEFAULT_NAMESPACE) -> LoadTicket:
+                replaces: LoadTicket | None = None, namespace: CacheNamespace = DEFAULT_NAMESPACE,
+                busy: bool = False) -> LoadTicket:
         """Match tokens, decide how much of the cached prefix to use (at most max_pages: callers keep a token to
         compute), lock it and start its loads; with `overlap` the ticket may have a gap the caller computes while
-        the rest loads (see Loads.acquire, LoadTicket and commit_gap). Write policies see the hits. `replaces`:
+        the rest loads (see Loads.acquire, LoadTicket and commit_gap). `busy`: the GPU has other requests' work
+        queued, so host pages load rather than being recomputed (CostModel). Write policies see the hits. `replaces`:
         the request's earlier ticket, whose load failed: its prompt is not counted again and its hits, which were
         not served, are taken back. `namespace`: the part of the cache the request may match and fill."""
         self.poll()
@@ -173,7 +175,7 @@ class TierController:
         else:
             for tier, pages in replaces.hit_pages.items():
                 self.stats.hit_tokens[tier] -= pages * self.page_size
-        ticket = self.loads.acquire(m, max_pages, overlap)
+        ticket = self.loads.acquire(m, max_pages, overlap, busy)
         self.writes.hit(ticket.nodes)
         return ticket
 
@@ -260,11 +262,12 @@ class TierController:
             self.host_room_version += 1
         return residual
 
-    def stream_wait(self, ticket: LoadTicket) -> None:
-        """Make the current CUDA stream wait for the copies of the pages the caller may read now: the
-        whole prefix, or only [0, k) while the ticket has a gap (no host blocking); no-op on CPU."""
-        for node in ticket.prefix_nodes:
-            self.transfers.stream_wait(node)
+    def load_waits(self, ticket: LoadTicket) -> list[Any]:
+        """The copies still bringing pages the caller may read now (the whole prefix, or [0, k) while the ticket has
+        a gap), each once: its forward waits for them on the GPU, layer by layer where they are layered
+        (`tiers.layered_copy.layer_waits`)."""
+        handles = {id(h): h for n in ticket.prefix_nodes if (h := self.transfers.in_flight_copy(n)) is not None}
+        return list(handles.values())
 
     def wait_ticket(self, ticket: LoadTicket, timeout: float | None = None) -> bool:
         """Block until the ticket is ready (for callers with nothing else to do); False on timeout."""

@@ -47,6 +47,13 @@ class CostModel:
 
     With `overlap` (mode "auto", costs known) `plan` may also split the prefix three ways: compute
     some pages on the GPU while later ones load, so that both finish together (see `plan`).
+
+    Host pages are priced apart from the disk's in two cases (`plan`'s and `pages_to_load`'s `busy`, and
+    `host_streams`). While the GPU has other requests' work queued (`busy`), recomputing a host page spends
+    GPU time they wait for, and loading it spends copy-engine time nobody else needs: every host page loads,
+    and none is computed in a gap. Where host loads stream in under the forward layer by layer
+    (`host_streams`, tiers/layered_copy.py), a gap over host pages computes what would have arrived while the
+    GPU worked anyway: no gap covers host pages then either.
     """
 
     page_size: int
@@ -58,6 +65,7 @@ class CostModel:
     attention_seconds_per_pair: float = 0.0  # prefill seconds per (token, earlier token) pair: see above
     adaptive: bool = True  # update the disk bandwidth from measured reads (off when it was configured)
     overlap: bool = False  # allow plans that compute a gap while the pages after it load
+    host_streams: bool = False  # host -> GPU loads run layer by layer under the forward (see above)
 
     def load_seconds(self, tier: str) -> float:
         if tier == DEVICE:
@@ -90,8 +98,9 @@ class CostModel:
             return 0.0
         return self.prefix_compute_seconds(end) - self.prefix_compute_seconds(start)
 
-    def pages_to_load(self, page_tiers: Sequence[tuple[str, int]]) -> int:
-        """Number of leading matched pages to use, given (fastest tier, page count) runs in order."""
+    def pages_to_load(self, page_tiers: Sequence[tuple[str, int]], busy: bool = False) -> int:
+        """Number of leading matched pages to use, given (fastest tier, page count) runs in order; `busy`: the GPU
+        has other work queued (host pages then load whatever they cost: see the class doc)."""
         total = sum(n for _, n in page_tiers)
         if self.mode == "always":
             return total
@@ -104,14 +113,16 @@ class CostModel:
             return used
         best, best_saving, saving, used = 0, 0.0, 0.0, 0
         for tier, n in page_tiers:
-            saving += self.compute_seconds(used, used + n) - n * self.load_seconds(tier)
+            load = 0.0 if busy and tier == HOST else self.load_seconds(tier)
+            saving += self.compute_seconds(used, used + n) - n * load
             used += n
             if saving >= best_saving:  # ties favour loading more (it also warms the GPU tier)
                 best, best_saving = used, saving
         return best
 
-    def plan(self, page_tiers: Sequence[tuple[str, int]]) -> LoadPlan:
-        """The plan for a matched prefix, given (fastest tier, page count) runs in order.
+    def plan(self, page_tiers: Sequence[tuple[str, int]], busy: bool = False) -> LoadPlan:
+        """The plan for a matched prefix, given (fastest tier, page count) runs in order; `busy`: the GPU has other
+        work queued (see the class doc: host pages then always load).
 
         Without overlap (or unknown costs, or mode other than "auto") it is the one-cut plan of
         `pages_to_load`. With overlap the plan of least `finish_seconds` among: [0, k) loaded with k at
@@ -119,9 +130,11 @@ class CostModel:
         Pure load (s == k) comes back as (n, n, n), pure compute (s == n) as (k, k, k).
         """
         if not self._can_overlap(page_tiers):
-            k = self.pages_to_load(page_tiers)
+            k = self.pages_to_load(page_tiers, busy)
             return LoadPlan(k, k, k)
-        host, disk = self._load_prefix_sums(page_tiers)
+        host, disk = self._load_prefix_sums(page_tiers, host_free=busy)
+        # where a gap must not cover host pages: the first host page at or after each page (len: none)
+        host_gap_end = self._next_host_pages(page_tiers) if busy or self.host_streams else None
         # cut where the tier changes: a prefix of many nodes in one tier is one run, so the plan does not depend on
         # how the tree split it, and the search below (quadratic in the runs) stays small as sessions grow
         bounds = [0]
@@ -138,6 +151,8 @@ class CostModel:
                 if n < k:
                     continue
                 s = self._balance(host, disk, k, n)
+                if host_gap_end is not None:
+                    s = min(s, max(k, host_gap_end[k]))  # the gap stops at the first host page
                 for cand in {s, max(k, s - 1)}:
                     t = self._finish(host, disk, bounds[-1], k, cand, n)
                     key = (t, (cand - k) + (bounds[-1] - n), LoadPlan(k, cand, n))  # ties: compute less
@@ -158,6 +173,15 @@ class CostModel:
         host, disk = self._load_prefix_sums(page_tiers)
         return self._finish(host, disk, len(host) - 1, *plan)
 
+    @staticmethod
+    def _next_host_pages(page_tiers: Sequence[tuple[str, int]]) -> list[int]:
+        """For every page position i (and the end), the first host page at or after i (the end where none is)."""
+        tiers = [tier for tier, n in page_tiers for _ in range(n)]
+        out = [len(tiers)] * (len(tiers) + 1)
+        for i in range(len(tiers) - 1, -1, -1):
+            out[i] = i if tiers[i] == HOST else out[i + 1]
+        return out
+
     def _can_overlap(self, page_tiers: Sequence[tuple[str, int]]) -> bool:
         if not self.overlap or self.mode != "auto" or not self.prefill_tokens_per_s:
             return False
@@ -166,11 +190,13 @@ class CostModel:
             DISK not in tiers or bool(self.disk_to_device_bytes_per_s)
         )
 
-    def _load_prefix_sums(self, page_tiers: Sequence[tuple[str, int]]) -> tuple[list[float], list[float]]:
-        """Seconds to load pages [0, i) over the host link and over the disk link, for every i."""
+    def _load_prefix_sums(self, page_tiers: Sequence[tuple[str, int]],
+                          host_free: bool = False) -> tuple[list[float], list[float]]:
+        """Seconds to load pages [0, i) over the host link and over the disk link, for every i (`host_free`: host
+        loads priced at nothing, as while the GPU is busy)."""
         host, disk = [0.0], [0.0]
         for tier, n in page_tiers:
-            cost = self.load_seconds(tier)
+            cost = 0.0 if host_free and tier == HOST else self.load_seconds(tier)
             for _ in range(n):
                 host.append(host[-1] + (cost if tier == HOST else 0.0))
                 disk.append(disk[-1] + (cost if tier == DISK else 0.0))

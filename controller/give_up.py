@@ -76,7 +76,6 @@ class ReadDeadlines:
                 self.device.free(self.tree.unassign(node, DEVICE))
         start = sum(n.num_pages for n in nodes[:cut])
         self._take_back_hits(ticket, start)
-        self.stats.recomputed_tokens += (ticket.num_pages - start) * self.page_size
         self.stats.gave_up_reads += 1
         residual = LoadTicket(self.transfers, ticket.node, 0)
         ticket.node = nodes[cut - 1] if cut else ticket.base
@@ -93,6 +92,8 @@ class ReadDeadlines:
                 local = min(gone, ticket.hit_pages.get(tier, 0))
                 self._uncount(ticket, tier, local)
                 self._uncount(ticket, REMOTE, gone - local)  # disk pages that were the remote tier's (acquire)
+                self.stats.recomputed[tier] += local * self.page_size
+                self.stats.recomputed[REMOTE] += (gone - local) * self.page_size
             if a < start:
                 kept.append((a, min(b, start), tier))
         ticket.hit_runs = kept

@@ -88,22 +88,22 @@ class Loads:
             runs.append((tier, node.num_pages))
         return usable, runs
 
-    def acquire(self, m: MatchResult, max_pages: int | None, overlap: bool) -> LoadTicket:
+    def acquire(self, m: MatchResult, max_pages: int | None, overlap: bool, busy: bool = False) -> LoadTicket:
         """Decide how much of the match to use, lock it and start its loads (see TierController.acquire)."""
-        ps = self.page_size
         usable, runs = self._runs(m)
         total = sum(n for _, n in runs)
         if overlap and self.cost.overlap:
             cap = total if max_pages is None else min(total, max_pages)
-            plan = self.cost.plan(clip_runs(runs, cap))
-            self.stats.recomputed_tokens += (plan.s - plan.k + cap - plan.n) * ps
+            plan = self.cost.plan(clip_runs(runs, cap), busy)
+            self._count_recomputed(runs, plan.k, plan.s)
+            self._count_recomputed(runs, plan.n, cap)
         else:
-            want = self.cost.pages_to_load(runs)
-            self.stats.recomputed_tokens += (total - want) * ps
+            want = self.cost.pages_to_load(runs, busy)
+            self._count_recomputed(runs, want, total)
             if max_pages is not None:
                 want = min(want, max_pages)
             plan = LoadPlan(want, want, want)
-        k, s = plan.k, plan.s
+        k, s, ps = plan.k, plan.s, self.page_size
         nodes = self._split_at(self._split_at(self._cut(usable, plan.n), k), s)
         nodes = [part for node in nodes for part in (self._chunks(node) if self._reads_from_disk(node) else [node])]
         # where the bytes come from: prefetched pages count as disk hits
@@ -151,6 +151,17 @@ class Loads:
         for tier, pages in ticket.hit_pages.items():
             self.stats.hit_tokens[tier] += pages * ps
         return ticket
+
+    def _count_recomputed(self, runs: list[tuple[str, int]], start: int, end: int) -> None:
+        """Matched pages [start, end) are computed, not loaded: counted by the tier they were in."""
+        pos = 0
+        for tier, n in runs:
+            if pos >= end:
+                break
+            overlap = min(end, pos + n) - max(start, pos)
+            if overlap > 0:
+                self.stats.recomputed[tier] += overlap * self.page_size
+            pos += n
 
     def _chunks(self, node: TreeNode) -> list[TreeNode]:
         """The node split into parts of at most `read_chunk_pages`, top-down: each is read as one call, so a long

@@ -20,7 +20,8 @@ class CacheStats:
 
     prompt_tokens: int = 0
     hit_tokens: Counter[str] = field(default_factory=Counter)  # tier -> prompt tokens served from it
-    recomputed_tokens: int = 0  # cached tokens recomputed because loading them was dearer
+    # tier -> cached tokens recomputed there because loading them was dearer (or their reads were given up)
+    recomputed: Counter[str] = field(default_factory=Counter)
     pages_promoted: Counter[tuple[str, str]] = field(default_factory=Counter)  # (src, dst) -> pages
     pages_demoted: Counter[tuple[str, str]] = field(default_factory=Counter)  # (src, dst) -> pages
     bytes_moved: Counter[tuple[str, str]] = field(default_factory=Counter)  # (src, dst) -> bytes
@@ -39,11 +40,17 @@ class CacheStats:
         (self.pages_promoted if promote else self.pages_demoted)[(src, dst)] += pages
         self.bytes_moved[(src, dst)] += pages * page_bytes
 
+    @property
+    def recomputed_tokens(self) -> int:
+        """Cached tokens recomputed, all tiers."""
+        return sum(self.recomputed.values())
+
     def snapshot(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "hit_tokens": {t: self.hit_tokens[t] for t in HIT_TIERS},
             "recomputed_tokens": self.recomputed_tokens,
+            "recomputed_by_tier": {t: self.recomputed[t] for t in HIT_TIERS},
             "pages_promoted": {f"{s}->{d}": n for (s, d), n in self.pages_promoted.items()},
             "pages_demoted": {f"{s}->{d}": n for (s, d), n in self.pages_demoted.items()},
             "bytes_moved": {f"{s}->{d}": n for (s, d), n in self.bytes_moved.items()},

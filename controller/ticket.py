@@ -108,3 +108,12 @@ class LoadTicket:
     def prefix_ready(self) -> bool:
         """True once pages [0, k) are on the GPU (the gap may be computed then)."""
         return all(self.transfers.ready(n) for n in self.prefix_nodes)
+
+    def usable(self) -> bool:
+        """True once a forward may read every page of the prefix: each is on the GPU, or its layered copy is
+        launched and the forward waits for it layer by layer (`Transfers.usable`)."""
+        return all(self.transfers.usable(n) for n in self.nodes)
+
+    def prefix_usable(self) -> bool:
+        """`usable` for pages [0, k)."""
+        return all(self.transfers.usable(n) for n in self.prefix_nodes)

@@ -147,12 +147,14 @@ class Transfers:
         return t
 
     def failed(self, node: TreeNode) -> bool:
-        """Whether the node's load failed (a ticket holding it must give it up)."""
-        return self._of.get(node) is FAILED
+        """Whether the node's load failed (a ticket holding it must give it up): a disk read that failed
+        verification, or a layered copy whose issuing failed part-way (tiers/layered_copy.py)."""
+        t = self._of.get(node)
+        return t is FAILED or getattr(t, "failed", False) is True
 
     def unusable(self, node: TreeNode) -> bool:
         """Whether a match must stop before the node: its load failed or its data is bad."""
-        return self._of.get(node) is FAILED or node.id in self.invalid
+        return self.failed(node) or node.id in self.invalid
 
     def prefetched(self, node: TreeNode) -> bool:
         return self._of.get(node) is PREFETCHED
@@ -164,21 +166,32 @@ class Transfers:
             return True
         if not t.done():
             return False
-        if not isinstance(t, Marker):
+        if getattr(t, "failed", False) is True:  # a layered copy that failed part-way, settled: its pages go
+            self._of[node] = FAILED
+            self.mark_invalid(node)
+        elif not isinstance(t, Marker):
             del self._of[node]  # a finished copy: nothing left to know
         return True
+
+    def usable(self, node: TreeNode) -> bool:
+        """Whether a forward may read the node's pages now: they are ready, or a layered copy brings them and the
+        forward waits for each layer of it on the GPU (`in_flight_copy`; tiers/layered_copy.py)."""
+        t = self._of.get(node)
+        return getattr(t, "streams", False) is True and not getattr(t, "failed", False) or self.ready(node)
+
+    def in_flight_copy(self, node: TreeNode) -> TransferHandle | None:
+        """The host -> GPU copy still bringing the node's pages, if any (a disk read or a marker is not one)."""
+        t = self._of.get(node)
+        if t is None or isinstance(t, (Marker, DiskLoad, PendingCopy)) or t.done():
+            return None
+        handle: TransferHandle = t
+        return handle
 
     def wait(self, node: TreeNode) -> None:
         """Block the host until the node's copy has landed (not for disk loads: see `disk_load`)."""
         t = self._of.get(node)
         if t is not None and t is not FAILED:
             t.wait()
-
-    def stream_wait(self, node: TreeNode) -> None:
-        """Make the current CUDA stream wait for the node's copy (no host blocking; no-op on CPU copies)."""
-        wait = getattr(self._of.get(node), "stream_wait", None)
-        if wait is not None:
-            wait()
 
     def mark_invalid(self, node: TreeNode) -> None:
         self.invalid[node.id] = node

@@ -169,7 +169,7 @@ def build_tiers(cfg: Config, layout: KVLayout, dtype: str, device: torch.device 
     in_process = persistent and l3_in_process(cfg, device_pool.device)
     host_pool = (HostPool(layout, sizes.host_pages, TORCH_DTYPES[dtype], shared=in_process)
                  if sizes.host_pages else None)
-    copier = make_copier(device_pool, host_pool) if host_pool is not None else None
+    copier = make_copier(device_pool, host_pool, cfg.cache.load_policy.layered) if host_pool is not None else None
     l3 = worker = None
     if persistent:
         c = cfg.cache.l3
@@ -219,6 +219,9 @@ def build_cache(
     device_pool, host_pool, l3 = tiers.device, tiers.host, tiers.l3
     cost = cost_model(cfg, layout, prefill_tokens_per_s, attention_seconds_per_pair)
     cost = calibrate_bandwidths(cost, cfg, device_pool, host_pool, tiers.copier, l3)
+    if getattr(tiers.copier, "layers", None) is not None:  # loads stream in under the forward (CostModel)
+        cost = dataclasses.replace(cost, host_streams=True)
+        logger.info("host -> GPU loads go layer by layer under the forward (cache.load_policy.layered)")
     copier, ports_l3, worker = wrap_ports(tiers) if wrap_ports is not None else (tiers.copier, l3, tiers.worker)
     sched = cfg.scheduler
     controller = TierController(

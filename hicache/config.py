@@ -117,6 +117,8 @@ class LoadPolicyConfig:
     # prefetch reads a queued request's deepest pages first). false: one cut, load a prefix and compute the rest.
     # Other modes ignore it
     overlap: bool = True
+    # CUDA: host -> GPU loads go layer by layer under the forward that reads them (tiers/layered_copy.py)
+    layered: bool = True
     # read a queued request's disk-only prefix pages into host memory while it waits (L3 on)
     prefetch: bool = True
     # disk reads in flight and prefetched pages held take at most this share of the host pool

@@ -107,6 +107,21 @@ class HeldTransfer:
         if wait is not None:
             wait(stream)
 
+    @property
+    def streams(self) -> bool:
+        """Launched, layer by layer (tiers/layered_copy.py): a forward may start now and wait for each layer."""
+        return self.transfer is not None and getattr(self.transfer, "streams", False)
+
+    @property
+    def failed(self) -> bool:
+        """Launched, and its issuing failed part-way (tiers/layered_copy.py)."""
+        return self.transfer is not None and getattr(self.transfer, "failed", False)
+
+    def stream_wait_layer(self, layer: int, stream: object = None) -> None:
+        """Make `stream` wait for one layer of the launched, layered copy."""
+        assert self.transfer is not None, "a forward waits per layer only on a launched load"
+        self.transfer.stream_wait_layer(layer, stream)  # type: ignore[attr-defined]
+
 
 class LaunchLater:
     """A copier whose loads (`to_device`) start at the next `launch()` rather than when they are asked for.
@@ -168,12 +183,13 @@ class LaunchLater:
         return len(held)
 
 
-def make_copier(device_pool: DevicePool, host_pool: HostPool) -> FencedCopier:
-    """The fastest copier for these pools: the CUDA stream copier on GPU, the reference one on CPU."""
+def make_copier(device_pool: DevicePool, host_pool: HostPool, layered: bool = True) -> FencedCopier:
+    """The fastest copier for these pools: the CUDA stream copier on GPU (loading layer by layer where `layered`:
+    tiers/layered_copy.py), the reference one on CPU."""
     import torch
 
     if device_pool.device.type == "cuda" and torch.cuda.is_available():
         from tiers.cuda_copy import CudaPageCopier
 
-        return CudaPageCopier(device_pool, host_pool)
+        return CudaPageCopier(device_pool, host_pool, layered=layered)
     return PageCopier(device_pool, host_pool)

@@ -20,6 +20,7 @@ import torch
 
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
+from tiers.layered_copy import LayeredTransfer, LayerLoader, memcpy_2d
 from tiers.pinned import map_host_tensor
 
 # per staging buffer; two of them (256 MiB measured no faster: bench/RESULTS.md, 'Host <-> GPU page transfers')
@@ -62,7 +63,9 @@ class CudaPageCopier:
     """Double-buffered, two-stream page copier; see the module docstring."""
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, staging_bytes: int = STAGING_BYTES,
-                 mode: str = "auto"):
+                 mode: str = "auto", layered: bool = True):
+        """layered: loads are issued layer by layer, and a forward may start before they land
+        (tiers/layered_copy.py); needs CuPy (without it every load is whole, and waited for whole)."""
         if not host_pool.pinned:
             raise ValueError("CudaPageCopier needs a pinned host pool")
         if mode not in ("auto", "dma", "zero_copy"):
@@ -87,6 +90,8 @@ class CudaPageCopier:
         self._next_fence = 0
         for ev in self.staging_free:
             ev.record(self.shuffle_stream)
+        runtime = memcpy_2d() if layered and self.host_alias is None else None
+        self.layers = LayerLoader(self, runtime) if layered and (self.host_alias is not None or runtime) else None
 
     def _keep(self, *tensors: torch.Tensor | None) -> None:
         """Tell the caching allocator these tensors (allocated on one copier stream) are in use on both."""
@@ -128,13 +133,15 @@ class CudaPageCopier:
 
     def to_device(
         self, host_pages: Sequence[int], device_pages: Sequence[int], after: object = None
-    ) -> CudaTransfer:
-        """Promote host pages into GPU pages; returns when the copies are queued.
+    ) -> CudaTransfer | LayeredTransfer:
+        """Promote host pages into GPU pages; returns when the copies are queued (layer by layer where `layers`).
 
         The copies wait for the compute work queued before them (pages being overwritten may still be read by it),
         or, given `after` (a `fence()`), only for the work queued before that fence."""
         if len(device_pages) != len(host_pages):
             raise ValueError(f"to_device: {len(host_pages)} host pages vs {len(device_pages)} device pages")
+        if self.layers is not None and host_pages:
+            return self.layers.load(host_pages, device_pages, after)
         kv, host = self.device_pool.kv, self.host_pool.buffer
         self._wait_for_compute(after)
         dev_index = self._index(device_pages, self.copy_stream)  # the scatter waits for the copy stream's events

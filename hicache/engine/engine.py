@@ -26,6 +26,7 @@ from hicache.engine.request import Request, Status, StepOutput
 from hicache.engine.sampling import make_generator, sample
 from hicache.engine.scheduler import Scheduler
 from radix import DEFAULT_NAMESPACE, CacheNamespace
+from tiers.layered_copy import layer_waits
 
 logger = logging.getLogger(__name__)
 
@@ -247,9 +248,9 @@ class Engine:
                 probe.end(plan, 0)
                 return outputs
             try:
-                self.scheduler.before_forward(plan)  # the stream waits for the copies of the pages the plan reads
+                waits = self.scheduler.before_forward(plan)  # copies bringing pages the plan reads
                 probe.forward_begin()
-                logits = self._forward(plan)
+                logits = self._forward(plan, waits)
                 probe.forward_queued()
                 self.scheduler.after_forward(plan)  # next-step admission meanwhile; the step's held loads start
                 probe.sampling()
@@ -325,7 +326,9 @@ class Engine:
         if token_ids:
             logits[row_ids, token_ids] = float("-inf")
 
-    def _forward(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
+    def _forward(self, plan: Sequence[tuple[Request, int]], waits: Sequence[Any] = ()) -> torch.Tensor:
+        """The plan's logits. `waits`: copies bringing pages it reads, waited for on the GPU before the layers that
+        read them (`tiers.layered_copy.layer_waits`; a CUDA graph waits for all of them first)."""
         ps = self.page_size
         graphs = self.graphs
         if (
@@ -334,6 +337,9 @@ class Engine:
             and graphs.can_run(len(plan), max(req.computed for req, _ in plan) // ps + 1)
         ):
             self.counters["graph_steps"] += 1
+            for h in waits:
+                if (wait := getattr(h, "stream_wait", None)) is not None:
+                    wait()
             return graphs.run(
                 [req.token_ids[req.computed] for req, _ in plan],
                 [req.computed for req, _ in plan],
@@ -342,15 +348,16 @@ class Engine:
         start_inputs = time.perf_counter()
         inputs = pack_inputs(plan, ps)
         self.counters["inputs_s"] += time.perf_counter() - start_inputs
-        return self._run_forward(inputs)
+        return self._run_forward(inputs, waits)
 
-    def _run_forward(self, inputs: ForwardInputs) -> torch.Tensor:
-        """The model's logits for a packed batch (tensor parallelism overrides it: every rank runs it at once)."""
+    def _run_forward(self, inputs: ForwardInputs, waits: Sequence[Any] = ()) -> torch.Tensor:
+        """The model's logits for a packed batch (tensor parallelism overrides it: every rank runs it at once, each
+        waiting for its own copies)."""
         start_inputs = time.perf_counter()
         upload = self.staging.upload if self.staging is not None else None
         batch = unpack_inputs(inputs, self.device, upload)
         self.counters["inputs_s"] += time.perf_counter() - start_inputs
-        return self.model(batch, self.kv, self.page_size)
+        return self.model(batch, self.kv, self.page_size, before_layer=layer_waits(waits))
 
     def _download(self, tokens: torch.Tensor) -> list[int]:
         """The sampled tokens on the host (through the kernel-written staging buffer on CUDA; see host_io)."""

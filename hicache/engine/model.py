@@ -9,6 +9,7 @@ loaders then call `LlamaModel.fuse_projections` (one qkv and one gate/up GEMM pe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -286,10 +287,13 @@ class LlamaModel(nn.Module):
                 f"kv pool shape {tuple(kv.shape)} does not match model layers/page_size {page_size}"
             )
 
-    def _layers(self, input_ids: Tensor, positions: Tensor, out_slots: Tensor, plan, kv: Tensor) -> Tensor:
+    def _layers(self, input_ids: Tensor, positions: Tensor, out_slots: Tensor, plan, kv: Tensor,
+                before_layer: Callable[[int], None] | None = None) -> Tensor:
         cos, sin = self._rope_cos_sin(positions, self.dtype)
         x = self.embed_tokens(input_ids)
         for layer_index, layer in enumerate(self.layers):
+            if before_layer is not None:  # the layer's cached KV may still be loading (tiers/layered_copy.py)
+                before_layer(layer_index)
             x = layer(x, cos, sin, kv[layer_index], out_slots, plan)
         return x
 
@@ -313,8 +317,11 @@ class LlamaModel(nn.Module):
         return self._logits(self._layers(input_ids, positions, out_slots, plan, kv))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: Tensor, page_size: int, all_logits: bool = False) -> Tensor:
-        """Run the new tokens of every sequence, writing their K/V into `kv` at `batch.out_slots`.
+    def forward(self, batch: ForwardBatch, kv: Tensor, page_size: int, all_logits: bool = False,
+                before_layer: Callable[[int], None] | None = None) -> Tensor:
+        """Run the new tokens of every sequence, writing their K/V into `kv` at `batch.out_slots`. `before_layer`,
+        called with each layer's index before it runs, makes the GPU wait for that layer's cached KV
+        (`tiers.layered_copy.layer_waits`).
 
         The residual stream is updated in place (inference only).
 
@@ -327,7 +334,7 @@ class LlamaModel(nn.Module):
             decode_kernel=self.uses_decode_kernel(page_size), decode_rows=batch.decode_rows,
             decode_lens=batch.decode_lens, prefill_kernel=self.uses_prefill_kernel(page_size),
         )
-        x = self._layers(batch.input_ids, batch.positions, batch.out_slots, plan, kv)
+        x = self._layers(batch.input_ids, batch.positions, batch.out_slots, plan, kv, before_layer)
         if not all_logits:
             last_rows = batch.last_rows
             if last_rows is None:

@@ -123,16 +123,18 @@ class Scheduler:
         self._prefetch()
         return self._plan()
 
-    def before_forward(self, plan: Sequence[tuple[Request, int]]) -> None:
-        """The plan's forward is about to be queued: the compute stream waits (on the GPU) for the copies of the
-        pages it reads; with admission during the forward, what is asked for until the step ends need not
-        wait for that forward."""
+    def before_forward(self, plan: Sequence[tuple[Request, int]]) -> list[Any]:
+        """The plan's forward is about to be queued: returns the copies still bringing pages it reads, which the
+        forward waits for on the GPU (layer by layer where they are layered: `tiers.layered_copy.layer_waits`);
+        with admission during the forward, what is asked for until the step ends need not wait for that forward."""
+        waits: dict[int, Any] = {}
         for req, _ in plan:
             if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream
-                self.ctrl.stream_wait(req.ticket)
+                waits.update((id(h), h) for h in self.ctrl.load_waits(req.ticket))
                 req.needs_stream_wait = False
         if self.admit_during_forward:
             self.ctrl.fence_forward()
+        return list(waits.values())
 
     def after_forward(self, plan: Sequence[tuple[Request, int]]) -> None:
         """The plan's forward is queued: admit for the next step while it runs (admit_during_forward), then start
@@ -170,7 +172,7 @@ class Scheduler:
                 failed, req.ticket = req.ticket, None
                 self._release(failed)
                 self._acquire(req, replaces=failed)
-            elif req.ticket.prefix_ready():  # the whole prefix, or what precedes its gap
+            elif req.ticket.prefix_usable():  # the whole prefix, or what precedes its gap (it may still stream in)
                 self.loading.remove(req)
                 self._start(req)
             elif now >= req.load_deadline and self._give_up_reads(req):
@@ -220,7 +222,7 @@ class Scheduler:
         req.committed_pages = len(req.pages)
         req.computed = req.committed_pages * self.page_size
         req.needs_stream_wait = True  # the tail (and gap pages another request loaded) came by copy
-        if req.ticket.failed or not req.ticket.ready():
+        if req.ticket.failed or not req.ticket.usable():
             self.running.remove(req)
             self._wait_for_loads(req)
 
@@ -309,7 +311,7 @@ class Scheduler:
         ticket whose load failed, which this one retries."""
         ps = self.page_size
         ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps, overlap=True,
-                                   replaces=replaces, namespace=req.namespace)
+                                   replaces=replaces, namespace=req.namespace, busy=bool(self.running))
         req.ticket = ticket
         self._release_prefetch(req)  # the ticket holds what it uses now
         req.pages = ticket.prefix_pages()  # the gap's pages come from alloc_device as it is computed
@@ -318,7 +320,7 @@ class Scheduler:
         req.needs_stream_wait = any(tier != DEVICE for tier in ticket.hit_pages)
         if req.cached_tokens is None or req.status is Status.LOADING:  # first admission (or its retry)
             self._note_hits(req)
-        if ticket.prefix_ready() and not ticket.failed:
+        if ticket.prefix_usable() and not ticket.failed:
             self._start(req)
         else:
             self._wait_for_loads(req, admitted=True)
@@ -386,6 +388,8 @@ class Scheduler:
             req.cached_tokens[DEVICE] = max(0, req.cached_tokens[DEVICE] - req.gap_tokens)
 
     def _start(self, req: Request) -> None:
+        if not req.ticket.prefix_ready():  # pages still streaming in, its own loads or another request's
+            req.needs_stream_wait = True
         req.status = Status.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.admitted_seq)
 
@@ -429,9 +433,9 @@ class Scheduler:
         if req.ticket.failed:
             req.awaiting_loads = False
             self.preempt(req)
-        elif req.ticket.ready():
+        elif req.ticket.usable():
             req.awaiting_loads = False
-            req.needs_stream_wait = True  # the copies ran on the copy stream
+            req.needs_stream_wait = True  # the copies ran (or still run, layer by layer) on the copy stream
 
     def _reserve(self, req: Request, n: int, plan: dict[Request, int]) -> bool:
         """Give req GPU pages for n more tokens, preempting newer requests if needed; False if it can't run."""

@@ -37,7 +37,6 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # scalar counters: (metric name, help, key in the engine stats' "cache" or "engine" dict)
 CACHE_COUNTERS = (
     ("hicache_prompt_tokens", "Prompt tokens matched against the cache (per admission)", "prompt_tokens"),
-    ("hicache_recomputed_tokens", "Cached tokens recomputed because loading cost more", "recomputed_tokens"),
     ("hicache_l3_load_failures", "L3 reads that missed or failed verification", "load_failures"),
     ("hicache_l3_prefetched_pages", "L3 -> host reads started for queued requests", "prefetched_pages"),
     ("hicache_l3_gave_up_reads", "Requests that stopped waiting for disk reads at their deadline (as long as "
@@ -120,6 +119,12 @@ class CacheCollector:
         for tier in HIT_TIERS:
             hits.add_metric([tier], cache.get("hit_tokens", {}).get(tier, 0))
         yield hits
+        recomputed = CounterMetricFamily("hicache_recomputed_tokens", "Cached tokens recomputed because loading cost "
+                                         "more (or their disk reads were given up), by the tier they were in",
+                                         labels=["tier"])
+        for tier in HIT_TIERS:
+            recomputed.add_metric([tier], cache.get("recomputed_by_tier", {}).get(tier, 0))
+        yield recomputed
         yield _pair_counter("hicache_pages_promoted", "Pages copied to a faster tier",
                             cache.get("pages_promoted", {}), PROMOTIONS)
         yield _pair_counter("hicache_pages_demoted", "Pages copied to a slower tier", cache.get("pages_demoted", {}),

@@ -413,7 +413,7 @@ def test_a_failed_step_ends_its_requests_and_launches_the_held_loads(sharp, base
     engine.add_request("a", tok.encode(A), GREEDY)
     real_forward = engine._forward
 
-    def failing_forward(plan):
+    def failing_forward(plan, waits):
         raise RuntimeError("device lost")
 
     engine._forward = failing_forward

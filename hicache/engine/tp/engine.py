@@ -57,9 +57,9 @@ class TPEngine(Engine):
         self.timeout_s = timeout_s
         self._exchanged = False
 
-    def _run_forward(self, inputs: ForwardInputs) -> torch.Tensor:
+    def _run_forward(self, inputs: ForwardInputs, waits: Sequence[Any] = ()) -> torch.Tensor:
         self._exchanged = True
-        return self.lockstep.exchange(inputs, lambda: Engine._run_forward(self, inputs))
+        return self.lockstep.exchange(inputs, lambda: Engine._run_forward(self, inputs, waits))
 
     def step(self) -> list:
         """One engine step; a step without a forward still exchanges a plan when ops or I/O reports wait, or when

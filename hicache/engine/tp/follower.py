@@ -34,6 +34,7 @@ from hicache.engine.tp.lockstep import STOP, Collectives, Plan, Report
 from hicache.engine.tp.shard import TPShard
 from hicache.engine.weights import load_model
 from hicache.modelinfo import resolve_device, resolve_dtype
+from tiers.layered_copy import layer_waits
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +58,25 @@ class PlanOps:
 
     def __init__(self, tiers: RankTiers) -> None:
         self.tiers = tiers
-        self._copies: list[Any] = []  # this plan's copies, waited for before its forward
+        self._copies: list[Any] = []  # this plan's backups, waited for before its forward
+        self.loads: list[Any] = []  # this plan's loads: its forward waits for them layer by layer (`settle_loads`)
         self._fills: dict[int, Any] = {}  # host page -> this plan's GPU -> host copy filling it
         self._refused: list[tuple[int, list[bool]]] = []  # writes this rank could not queue: failed at once
 
     def apply(self, ops: Sequence[tuple]) -> None:
         for op in ops:
             getattr(self, f"_{op[0]}")(*op[1:])
-        for handle in self._copies:  # the plan's forward reads what they bring
+        for handle in self._copies:  # the plan's forward may overwrite GPU pages the leader freed behind them
             handle.wait()
         self._copies.clear()
         self._fills.clear()
+
+    def settle_loads(self) -> None:
+        """Wait for this plan's loads (after its forward is queued, which waited for them on the GPU): the leader
+        reuses their host pages once its own copies have landed, so no copy of this rank outlives its plan."""
+        for handle in self.loads:
+            handle.wait()
+        self.loads.clear()
 
     def finished(self) -> list[tuple[int, list[bool]]]:
         """(op id, per-page results) of the reads and writes finished since the last call."""
@@ -83,7 +92,7 @@ class PlanOps:
         self._fills.update(dict.fromkeys(host_pages, handle))
 
     def _to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
-        self._copies.append(self.tiers.copier.to_device(host_pages, device_pages))
+        self.loads.append(self.tiers.copier.to_device(host_pages, device_pages))
 
     def _views(self, host_pages: list[int]) -> list[Any]:
         return [self.tiers.host.page_view(p) for p in host_pages]
@@ -134,8 +143,9 @@ def follow(collectives: Collectives, model: Any, tiers: RankTiers, page_size: in
         if plan.scratch is not None:
             name, *args = plan.scratch
             SCRATCH_FORWARDS[name](model, page_size, *args)
-        if plan.inputs is not None:
-            model(unpack_inputs(plan.inputs, device, upload), kv, page_size)
+        if plan.inputs is not None:  # each layer waits for this rank's loads of it (tiers/layered_copy.py)
+            model(unpack_inputs(plan.inputs, device, upload), kv, page_size, before_layer=layer_waits(ops.loads))
+        ops.settle_loads()
         collectives.gather_reports(Report(collectives.rank, ops.finished(), error))
         if error is not None:
             raise RuntimeError(f"rank {collectives.rank} stopped following: {error}")
