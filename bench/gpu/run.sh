@@ -31,6 +31,10 @@
 #              tiers on; EXTRA as above
 #   l3prefix   an 8,192-token prefix back from L3 against recomputing it: tiers off, auto, auto + overlap (ALWAYS=1
 #              adds always-load)
+#   hosthit    a lone request, 32,768-token prefix + 1,024 new tokens, GPU KV 8 GiB (bench/gpu/host_hit.py): TTFT of a
+#              GPU hit, a host hit and a recompute with host 48 GiB, no L3, loads layer by layer (hh_layered) and
+#              whole (hh_whole: cache.load_policy.layered=false); a disk hit with host 12 GiB + L3 in /tmp
+#              (hh_disk). HH_ARMS [hh_layered hh_whole hh_disk]; ROUNDS [3]; EXTRA as above
 #   inprocess  bench/gpu/tier_overhead.py, no server: the no-reuse cost of write-through (fresh and full GPU pool,
 #              kernel tables) and a multi-turn run's GPU timeline (rounds 2, 3 and 6). PARTS [noreuse multiturn]
 #   agent      coding-agent sessions through the server (`hicache bench agent`): a synthesized workload (`bench
@@ -53,7 +57,7 @@
 set -u
 workload=${1:-}
 case $workload in
-  cudatests | micro | kernels | ttft | noloss | l3prefix | inprocess | agent) ;;
+  cudatests | micro | kernels | ttft | noloss | l3prefix | hosthit | inprocess | agent) ;;
   *) sed -n '2,/^set -u/p' "$0" | sed '$d' >&2; exit 2 ;;
 esac
 base=${OUT:-./out}
@@ -278,6 +282,22 @@ l3prefix() {
   l3r l3r_overlap 8303 "$small --load-mode auto --load-overlap"
   [ "${ALWAYS:-0}" = 1 ] && l3r l3r_always 8304 "$small --load-mode always"
   rm -rf /tmp/hicache-l3-r
+}
+
+hosthit() {
+  local client="python3 bench/gpu/host_hit.py --url \$URL --prefix-tokens 32768 --new-tokens 1024 --rounds ${ROUNDS:-3}"
+  local dev="--set cache.device.size_gib=8" arm
+  for arm in ${HH_ARMS:-hh_layered hh_whole hh_disk}; do
+    case $arm in
+      hh_layered) serve $arm 8501 170 "^round|==|Error" "$dev --no-l3 $EXTRA" "$client --gpu-evictors 3 --json \$OUT/$arm.json" ;;
+      hh_whole) serve $arm 8502 170 "^round|==|Error" "$dev --no-l3 --set cache.load_policy.layered=false $EXTRA" \
+        "$client --gpu-evictors 3 --json \$OUT/$arm.json" ;;
+      hh_disk) rm -rf /tmp/hicache-l3-hh
+        serve $arm 8503 230 "^round|==|Error" "$dev --set cache.host.size_gib=12 --l3-path /tmp/hicache-l3-hh $EXTRA" \
+          "$client --gpu-evictors 3 --host-evictors 4 --json \$OUT/$arm.json"
+        rm -rf /tmp/hicache-l3-hh ;;
+    esac
+  done
 }
 
 inprocess() {
