@@ -3,7 +3,8 @@
     Lookup    match + L3 probe                          (tree, L3 index)
     Eviction  room per tier, freeing removed nodes      (tree, pools, transfers)
     Writes    write policies as strategies              (Eviction)
-    Loads     plans, copies, tickets, prefetch          (Eviction, cost model)
+    Loads     plans, copies, tickets, disk reads        (Eviction, cost model)
+    Prefetch  reads for queued requests                 (Loads, Writes)
     Commits   a request's GPU pages into the tree       (Eviction, Writes)
 
 The tree holds where pages live; the controller's `Transfers` table holds what is moving them. A
@@ -33,6 +34,7 @@ from controller.loads import Loads
 from controller.lookup import Lookup
 from controller.policy import WritePolicy
 from controller.ports import L3, NO_HOST, NO_L3, NO_WORKER, Copier, HostTier, InstantCopier, Pool, Worker
+from controller.prefetch import Prefetcher
 from controller.reuse import ReuseFilter, reuse_memory
 from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
@@ -96,7 +98,9 @@ class TierController:
         self.loads = Loads(tree, device, self.host, self.copier, self.worker, self.eviction, self.transfers,
                            self.stats, cost or CostModel(tree.page_size, device.page_bytes),
                            prefetch and l3 is not None, shared_pages=getattr(self.l3, "shared_pages", None),
-                           staging_share=prefetch_host_share, prefetch_queue_s=prefetch_queue_s)
+                           staging_share=prefetch_host_share)
+        self.prefetcher = Prefetcher(self.loads, tree, self.match, self.writes.hit, lambda: self.host_room_version,
+                                     prefetch_queue_s)
         self.commits = Commits(tree, device, self.eviction, self.writes)
         # counts the events that can give host memory back to a prefetch (a ticket or hold released, I/O applied):
         # a hold that stopped short is not asked again until one has happened (see `prefetch`)
@@ -182,42 +186,13 @@ class TierController:
     def prefetch(self, tokens: Sequence[int], max_pages: int | None = None,
                  hold: PrefetchHold | None = None, namespace: CacheNamespace = DEFAULT_NAMESPACE) -> PrefetchHold:
         """Start reading a queued request's disk-only prefix into host memory, pinned there until the hold is given
-        back (`release_prefetch`), so at admission it loads from host. A `short` hold (no room) passed back as
-        `hold` goes on where it stopped. See Loads.prefetch.
-
-        A hold that is not short, passed back, is a recheck: the request still waits, and pages of its prefix
-        may have left memory since. Its match keeps the prefix recent but counts no hit (the request was counted
-        when it first asked, and is again at admission; a queue's rechecks would otherwise make a page waited
-        for look used many times, to LFU eviction and hit-counting write policies). The write policies' copies
-        of a prefix about to be used still run; where every matched page is still in memory or already held,
-        no read is planned."""
-        if not self.loads.prefetch_enabled:
-            return hold or PrefetchHold()
-        loads = self.loads
-        if hold is not None and hold.short and (
-                not loads.prefetch_refill_ready() if hold.queue_bound
-                else hold.room_version == self.host_room_version or loads.staged_pages >= loads.staging_pages):
-            return hold  # the disk's queue is still full, nothing gave host memory back since it stopped, or the
-            # staging share is used up: asking again (a match of a long prompt, an allocation that fails) costs the
-            # engine thread milliseconds a step for the same answer
-        recheck = hold if hold is not None and not hold.short else None
-        m = self.match(tokens, namespace, reference=recheck is None)
-        # its prefix is about to be used again: back it up. Locked meanwhile: the room those copies make must come
-        # from other pages, or an ancestor's last copy could go and take matched nodes out of the tree
-        self.tree.lock(m.last_node)
-        try:
-            self.writes.hit([node for node, _ in m.segments])
-        finally:
-            self.tree.unlock(m.last_node)
-        if recheck is not None and not loads.prefetch_would_act(m, recheck):
-            return recheck  # (a rechecking queue's front asked this about ten times a second and found nothing new)
-        hold = loads.prefetch(m, max_pages, hold)
-        hold.room_version = self.host_room_version
-        return hold
+        back (`release_prefetch`), so at admission it loads from host; a hold passed back goes on where it stopped,
+        or rechecks the prefix (Prefetcher.prefetch)."""
+        return self.prefetcher.prefetch(tokens, max_pages, hold, namespace)
 
     def release_prefetch(self, hold: PrefetchHold) -> None:
         """Give back a prefetch hold (the request was admitted, or left the queue)."""
-        self.loads.release_prefetch(hold)
+        self.prefetcher.release(hold)
         self.host_room_version += 1
         self.eviction.remove_invalid()
 
@@ -295,10 +270,6 @@ class TierController:
         if self.eviction.landing and self.eviction.reap_host_frees():
             self.host_room_version += 1
         self.tree.namespaces.prune()  # no unlocked namespace root is held between steps
-
-    def flush_backups(self) -> int:
-        """Start every deferred backup now; returns the pages copied."""
-        return self.writes.flush_backups()
 
     def gauges(self) -> dict[str, int]:
         """GPU pages in use, and GPU pages freed while their copy to host was in flight (a counter)."""

@@ -2,9 +2,9 @@
 
 `acquire` prices the matched prefix with the cost model (load or recompute, and with overlap a gap
 to compute while the rest loads), locks what it uses in a LoadTicket and starts the copies: host ->
-GPU through the copier (one call per prefix), L3 -> host -> GPU through the L3 worker. `prefetch`
-starts L3 -> host reads for a queued request, under the same load-or-recompute decision, and pins
-them in a PrefetchHold until the request is admitted. `apply` lands a finished read.
+GPU through the copier (one call per prefix), L3 -> host -> GPU through the L3 worker. It keeps the
+counts of host pages disk reads hold, which prefetch (controller/prefetch.py) shares. `apply` lands a
+finished read.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,7 +21,7 @@ from controller.eviction import Eviction
 from controller.give_up import ReadDeadlines
 from controller.ports import Copier, HostTier, Pool, Worker, page_buffers
 from controller.stats import REMOTE, CacheStats
-from controller.ticket import LoadTicket, PrefetchHold
+from controller.ticket import LoadTicket
 from controller.transfers import FAILED, PENDING_COPY, PREFETCHED, DiskLoad, Transfers
 from radix import DEVICE, DISK, HOST, MatchResult, RadixTree, TreeNode
 from tiers.l3.worker import Completion
@@ -33,12 +32,11 @@ READ_CHUNK_BYTES = 256 << 20
 
 
 class Loads:
-    """Load planning, copies to the GPU, tickets and prefetch (see the module doc)."""
+    """Load planning, copies to the GPU, tickets and disk reads (see the module doc)."""
 
     def __init__(self, tree: RadixTree, device: Pool, host: HostTier, copier: Copier, worker: Worker,
                  eviction: Eviction, transfers: Transfers, stats: CacheStats, cost: CostModel, prefetch: bool,
-                 shared_pages: Callable[[Sequence[bytes]], int] | None = None, staging_share: float = 0.5,
-                 prefetch_queue_s: float = 0.0):
+                 shared_pages: Callable[[Sequence[bytes]], int] | None = None, staging_share: float = 0.5):
         self.tree = tree
         self.shared_pages = shared_pages  # how many of these disk keys only the remote tier holds (REMOTE hits)
         self.device = device
@@ -64,12 +62,11 @@ class Loads:
         # pages always find room: a prefetch starts only while reads in flight and prefetched pages held stay
         # within it, and a request's reads only while other requests' reads do (a lone request always reads)
         self.staging_pages = int(staging_share * host.capacity_pages)
-        self.prefetch_queue_s = prefetch_queue_s  # seconds of reads prefetch may keep queued (0: no bound)
         self.disk_reads = DiskReads(lambda: self.clock())  # the read queue's landing and bandwidth estimates
 
     # ------------------------------------------------------------------ planning
 
-    def _runs(self, m: MatchResult) -> tuple[list[TreeNode], list[tuple[str, int]]]:
+    def usable_runs(self, m: MatchResult) -> tuple[list[TreeNode], list[tuple[str, int]]]:
         """The usable matched nodes and their (tier to load from, pages) runs. A read in flight (a prefetch)
         counts as host if it should land before the GPU could recompute its own pages, else as a disk read:
         waiting for it longer than that loses time whatever follows it."""
@@ -90,7 +87,7 @@ class Loads:
 
     def acquire(self, m: MatchResult, max_pages: int | None, overlap: bool, busy: bool = False) -> LoadTicket:
         """Decide how much of the match to use, lock it and start its loads (see TierController.acquire)."""
-        usable, runs = self._runs(m)
+        usable, runs = self.usable_runs(m)
         total = sum(n for _, n in runs)
         if overlap and self.cost.overlap:
             cap = total if max_pages is None else min(total, max_pages)
@@ -105,7 +102,7 @@ class Loads:
             plan = LoadPlan(want, want, want)
         k, s, ps = plan.k, plan.s, self.page_size
         nodes = self._split_at(self._split_at(self._cut(usable, plan.n), k), s)
-        nodes = [part for node in nodes for part in (self._chunks(node) if self._reads_from_disk(node) else [node])]
+        nodes = [part for node in nodes for part in (self.read_chunks(node) if self._reads_from_disk(node) else [node])]
         # where the bytes come from: prefetched pages count as disk hits
         tiers = [DEVICE if n.on_device else HOST if n.on_host and not self.transfers.prefetched(n) else DISK
                  for n in nodes]
@@ -163,7 +160,7 @@ class Loads:
                 self.stats.recomputed[tier] += overlap * self.page_size
             pos += n
 
-    def _chunks(self, node: TreeNode) -> list[TreeNode]:
+    def read_chunks(self, node: TreeNode) -> list[TreeNode]:
         """The node split into parts of at most `read_chunk_pages`, top-down: each is read as one call, so a long
         prefix lands part by part and a request that stops waiting keeps what has landed."""
         parts = []
@@ -261,7 +258,7 @@ class Loads:
                 self.device.free(dev)
                 self.stats.drops["host_full_on_load"] += n
                 return False
-            self._read(node, DiskLoad(host_pages, eta=self._disk_eta(n)))
+            self.start_read(node, DiskLoad(host_pages, eta=self.disk_eta(n)))
         self.tree.set_location(node, DEVICE, dev)
         return True
 
@@ -270,13 +267,13 @@ class Loads:
         """Host pages disk traffic holds: reads in flight, and prefetched pages that holds keep."""
         return self.reading + self.prefetching - self.held_reading
 
-    def _read(self, node: TreeNode, load: DiskLoad) -> None:
+    def start_read(self, node: TreeNode, load: DiskLoad) -> None:
         n = len(load.host_pages)
         self.reading += n
         if load.for_request:
             self.request_reads += n
         else:
-            self.held_reading += n  # held by the prefetch hold that starts it (Loads.prefetch)
+            self.held_reading += n  # held by the prefetch hold that starts it (Prefetcher.read)
             load.held = True
         self.transfers.set(node, load)
         self.transfers.loading[node.id] = node
@@ -295,144 +292,9 @@ class Loads:
         for node in nodes:
             self.transfers.set(node, transfer)
 
-    def _disk_eta(self, pages: int) -> float:
+    def disk_eta(self, pages: int) -> float:
         """When a read of `pages` submitted now should land: reads queue behind each other on the disk."""
         return self.disk_reads.eta(pages * self.page_bytes, self.cost.disk_to_device_bytes_per_s)
-
-    # ------------------------------------------------------------------ prefetch
-
-    def prefetch(self, m: MatchResult, max_pages: int | None, hold: PrefetchHold | None) -> PrefetchHold:
-        """Hold a queued request's cached prefix in host memory until it is admitted (TierController.prefetch).
-
-        Only the pages a load would use once they are in host memory are read: the cost model's load-or-recompute
-        decision with disk pages priced as host pages, since a read started now travels while the request
-        queues. Load mode "never" reads nothing; "auto" reads what loading from host beats recomputing."""
-        retry = hold is not None
-        if hold is None:
-            hold = PrefetchHold()
-        hold.short = hold.queue_bound = False
-        if not self.prefetch_enabled:
-            return hold
-        held = {id(node) for node, _ in hold.pins}
-        _, runs = self._runs(m)
-        limit = self.cost.pages_to_load([(HOST if tier == DISK else tier, n) for tier, n in runs])
-        if max_pages is not None:
-            limit = min(limit, max_pages)
-        budget = self.staging_pages - self.staged_pages
-        queue_room = self._prefetch_queue_room()
-        queue_bound = False  # the disk's read queue, not host room, stops it
-        if queue_room is not None and queue_room < budget:
-            budget, queue_bound = queue_room, True
-        candidates: list[tuple[TreeNode, str]] = []
-        pos = 0
-        for node, tier in m.segments:
-            if self.transfers.unusable(node) or pos >= limit:
-                break
-            if node.on_device and not node.on_host and not node.on_disk:
-                # a pin below it would hold its only copy on the GPU (pins count along the path, and a parent
-                # outlives its children): queued requests must not fill the GPU pool with pages nobody can evict
-                break
-            pos += node.num_pages
-            candidates.append((node, tier))
-        if self.cost.overlap:  # deepest first: what lands is the tail, and the request computes the cheap head
-            candidates.reverse()
-        self.tree.lock(m.last_node)  # host room is made from other pages than this prefix's
-        started = 0
-        try:
-            for node, tier in candidates:
-                if id(node) in held:
-                    continue
-                if not node.on_device and ((self.transfers.prefetched(node) and node.on_host)
-                                           or self.transfers.disk_load(node) is not None):
-                    self.tree.pin(node)  # brought in (or coming) for another queued request: hold it too
-                    hold.pins.append((node, 0))
-                    continue
-                if tier != DISK or node.on_host:
-                    continue
-                chunks = self._chunks(node)
-                for chunk in reversed(chunks) if self.cost.overlap else chunks:
-                    n = chunk.num_pages
-                    room = budget - started
-                    if n > room and room > 0:  # read what fits, the deepest pages (or the first) of the chunk
-                        upper = self.tree.split(chunk, n - room if self.cost.overlap else room)
-                        chunk = chunk if self.cost.overlap else upper
-                        n = chunk.num_pages
-                        hold.short, hold.queue_bound = True, queue_bound  # the rest of it waits for room
-                    elif n > room:
-                        # short (worth asking again: once reads land, or holds are released) unless it could not fit
-                        # even with every other hold released
-                        own = sum(k for _, k in hold.pins)
-                        hold.short = queue_bound or n <= self.staging_pages - own
-                        hold.queue_bound = queue_bound
-                        break
-                    # best effort: never block the engine thread for copies still landing in freed host pages
-                    host_pages = self.eviction.allocate(HOST, n, group=chunk.group, wait=False)
-                    if host_pages is None:
-                        if not retry:  # counted once per request, not once per step it asks again
-                            self.stats.drops["host_full_on_prefetch"] += n
-                        hold.short = True
-                        break
-                    self._read(chunk, DiskLoad(host_pages, to_device=False, prefetch=True, eta=self._disk_eta(n)))
-                    self.tree.pin(chunk)
-                    self.prefetching += n
-                    started += n
-                    hold.pins.append((chunk, n))
-                    if hold.short:
-                        break
-                if hold.short:
-                    break
-        finally:
-            self.tree.unlock(m.last_node)
-        hold.started += started
-        self.stats.prefetched_pages += started
-        return hold
-
-    def prefetch_would_act(self, m: MatchResult, hold: PrefetchHold) -> bool:
-        """Whether `prefetch(m, ..., hold)` may read or pin anything: a matched node the hold does not hold is only on
-        disk, or on its way to host memory for another queued request (the nodes `prefetch` acts on: kept alike)."""
-        held = {id(node) for node, _ in hold.pins}
-        for node, _ in m.segments:
-            if node.loc[0] is None and id(node) not in held and (
-                    node.loc[1] is None or self.transfers.disk_load(node) is not None
-                    or self.transfers.prefetched(node)):
-                return True
-        return False
-
-    def prefetch_refill_ready(self) -> bool:
-        """Whether a prefetch the disk's read queue stopped should go on now: the queue has room for a refill of
-        a quarter of it (at most a read chunk). Room for a page or two comes back with every read that lands, and
-        asking again for it (a match of a long prompt, its path locked and unlocked) cost the engine thread
-        milliseconds a step, for a queue that stays three quarters full either way."""
-        room = self._prefetch_queue_room()
-        if room is None:
-            return True
-        queue = self.prefetch_queue_s * (self.cost.disk_to_device_bytes_per_s or 0) / self.page_bytes
-        return room >= max(1, min(self.read_chunk_pages, math.ceil(queue / 4)))
-
-    def _prefetch_queue_room(self) -> int | None:
-        """Pages a prefetch may add to the disk's read queue now: what the disk reads in `prefetch_queue_s`, less the
-        reads queued ahead of them by the estimate (`DiskReads.ahead`); None where unbounded or the bandwidth is
-        unknown.
-
-        The queue stays short because a request's reads still queued at its admission are, by then, mostly not
-        worth waiting for: the plan computes those pages (the GPU reaches them first), and the disk time spent on
-        them is lost to the next request's prefix. A read that lands frees room for the next (the scheduler asks
-        again after each completion), so the disk still never idles while prefixes wait."""
-        bw = self.cost.disk_to_device_bytes_per_s
-        if not self.prefetch_queue_s or not bw:
-            return None
-        return max(0, math.ceil((self.prefetch_queue_s - self.disk_reads.ahead()) * bw / self.page_bytes))
-
-    def release_prefetch(self, hold: PrefetchHold) -> None:
-        """Give back a prefetch hold (the request was admitted, or left the queue)."""
-        for node, n in hold.pins:
-            self.tree.unpin(node)
-            self.prefetching -= n
-            load = self.transfers.disk_load(node)
-            if n and load is not None and load.held:  # still in flight: it counts as a read only from now on
-                load.held = False
-                self.held_reading -= len(load.host_pages)
-        hold.pins = []
 
     # ------------------------------------------------------------------ completions
 

@@ -274,7 +274,7 @@ def test_deferred_write_through_copies_when_idle():
     tree = h.ctrl.tree
     assert h.host.used_pages() == 3
     assert all(node.on_host for node in tree.nodes() if node.on_device)
-    assert h.ctrl.flush_backups() == 0
+    assert h.ctrl.writes.flush_backups() == 0
     h.check_all_bytes()
 
 
@@ -302,7 +302,7 @@ def test_deferred_backlog_starts_a_slice_per_step():
     assert backed() == {1: True, 2: True, 3: False} and h.host.used_pages() == 7
     h.ctrl.writes.begin_step()
     h.ctrl.idle()
-    assert h.host.used_pages() == 9 and h.ctrl.flush_backups() == 0
+    assert h.host.used_pages() == 9 and h.ctrl.writes.flush_backups() == 0
     h.check_all_bytes()
 
 
@@ -326,7 +326,7 @@ def test_a_deferred_backlog_goes_to_the_copier_in_one_call():
     h.run(seq(1, 4)[: 2 * LAYOUT.page_size] + [5] * 2 * LAYOUT.page_size + [6])  # splits seq 1's node after 2 pages
     h.run(seq(2, 3))
     assert h.host.used_pages() == 0 and h.copier.to_host_calls == []
-    assert h.ctrl.flush_backups() == 9
+    assert h.ctrl.writes.flush_backups() == 9
     assert h.copier.to_host_calls == [9]
     assert all(node.on_host for node in h.ctrl.tree.nodes() if node.on_device)
     h.check_all_bytes()
@@ -342,7 +342,7 @@ def test_a_batch_copies_the_nodes_the_host_has_room_for():
         if node.on_device:
             h.ctrl.tree.pin(node)  # nothing in host memory may be evicted for the backlog
     h.ctrl.writes.reuse.traffic_reuse = 1.0
-    assert h.ctrl.flush_backups() == 4
+    assert h.ctrl.writes.flush_backups() == 4
     assert h.copier.to_host_calls == [4] and h.ctrl.stats.drops["host_full"] == 2
     backed = [h.ctrl.tree.match_prefix(seq(base, 2), touch=False).last_node.on_host for base in (1, 2, 3)]
     assert backed == [True, True, False]
@@ -354,7 +354,7 @@ def test_deferred_copy_of_a_split_node_covers_both_parts():
     h.run(seq(1, 4))
     h.run(seq(1, 4)[: 2 * LAYOUT.page_size] + [5] * 2 * LAYOUT.page_size + [6])  # splits seq 1's node after 2 pages
     assert h.host.used_pages() == 0 and h.ctrl.stats.deferred_pages == 6
-    assert h.ctrl.flush_backups() == 6  # the upper part (2 pages) and both tails (2 + 2)
+    assert h.ctrl.writes.flush_backups() == 6  # the upper part (2 pages) and both tails (2 + 2)
     assert h.host.used_pages() == 6
     h.check_all_bytes()
 

@@ -168,10 +168,10 @@ def release_and_close(h: Harness, hold) -> None:
 
 
 def count_matches(h: Harness) -> list[int]:
-    """The prefix matches the controller makes from now on, one entry each."""
+    """The prefix matches prefetch makes from now on, one entry each."""
     matches: list[int] = []
-    match = h.ctrl.match
-    h.ctrl.match = lambda *a, **k: matches.append(1) or match(*a, **k)
+    match = h.ctrl.prefetcher.match
+    h.ctrl.prefetcher.match = lambda *a, **k: matches.append(1) or match(*a, **k)
     return matches
 
 
@@ -272,7 +272,7 @@ def test_prefetch_keeps_at_most_its_queue_of_seconds_on_the_disk_and_goes_on_as_
     l3 = stuck_prefix(12)
     assert l3.used_pages() == 12
     h, now = clocked_disk(l3, 10, host=16)
-    h.ctrl.loads.prefetch_queue_s = queue_s
+    h.ctrl.prefetcher.queue_s = queue_s
     hold = h.ctrl.prefetch(seq(1, 12), max_pages=12)
     assert h.ctrl.stats.prefetched_pages == first and hold.short
     deepest = h.ctrl.tree.match_prefix(seq(1, 12), touch=False).segments[-1][0]
@@ -293,7 +293,7 @@ def test_a_prefetch_the_disk_queue_stopped_asks_again_once_a_quarter_of_the_queu
     not match its prompt again for the page or two each landing read frees, only for a quarter of the queue (7
     pages): the match of a long prompt each step cost the engine thread milliseconds for nothing."""
     h, now = clocked_disk(stuck_prefix(40, pool=64), 100, host=128)  # the reads queue and do not land
-    h.ctrl.loads.prefetch_queue_s = 0.25  # the server's default (configs/default.yaml)
+    h.ctrl.prefetcher.queue_s = 0.25  # the server's default (configs/default.yaml)
     assert h.ctrl.loads.staging_pages == 64
     matches = count_matches(h)
     hold = h.ctrl.prefetch(seq(1, 40), max_pages=40)
