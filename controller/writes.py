@@ -17,8 +17,10 @@ before its turn comes is dropped then, as `l3_queue_full`. A write that cannot b
 `stats.drops` by reason: `host_full`, `l3_queue_full`, `disk_full`, `l3_gone` (the L3 process died), `not_reused`
 (nothing suggests it will be read again, and the disk has no bandwidth to spare: `WritePolicy.l3_admit`,
 controller/reuse.py), `l3_backlog` (the writes waiting for the disk already hold WAITING_PER_STAGED times their
-share of host memory, `WritePolicy.l3_host_share`), `ancestor_gpu_only` (a page above it is only on the GPU and
-cannot be backed up to host: the write's pin would hold it there), and for what the L3 store refuses `not_admitted`
+share of host memory, `WritePolicy.l3_host_share`, and more than the host pool has free: a backlog is a rate, so
+a near-empty disk drops one when commits outrun its writes and host memory is needed), `ancestor_gpu_only` (a page
+above it is only on the GPU and cannot be backed up to host: the write's pin would hold it there), and for what the
+L3 store refuses `not_admitted`
 (its admission rule, `cache.l3.admission_hits`), `l3_busy`, `l3_degraded` or `l3_write_failed`.
 """
 
@@ -179,9 +181,12 @@ class Writes(HostBackups):
                 return False
             if refused == "l3_queue_full" and not bounce:  # this part and the rest wait for room
                 rest = sum(p.num_pages for p in parts[i:])
-                if self.waiting_disk_pages + rest > WAITING_PER_STAGED * self.staging_pages:
+                over = self.waiting_disk_pages + rest - WAITING_PER_STAGED * self.staging_pages
+                if over > 0 and over > self.host.allocator.free_pages:
                     # the disk is this far behind: pages waiting for it would hold host memory (they leave it last)
-                    # that caching needs, for as long as the disk takes
+                    # that caching needs, for as long as the disk takes. Past their share they may only hold what
+                    # is free now: a burst of commits outran a disk that drains in moments, and free memory held
+                    # by its writes costs caching nothing
                     self.stats.drops["l3_backlog"] += rest
                     return False
                 self.waiting_disk.extend(parts[i:])
