@@ -91,7 +91,8 @@ class CudaPageCopier:
         for ev in self.staging_free:
             ev.record(self.shuffle_stream)
         runtime = memcpy_2d() if layered and self.host_alias is None else None
-        self.layers = LayerLoader(self, runtime) if layered and (self.host_alias is not None or runtime) else None
+        self.layers = (LayerLoader(self, runtime, staging_bytes) if layered and (self.host_alias is not None or runtime)
+                       else None)
 
     def _keep(self, *tensors: torch.Tensor | None) -> None:
         """Tell the caching allocator these tensors (allocated on one copier stream) are in use on both."""

@@ -105,9 +105,11 @@ def _runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class LayerLoader:
-    """Issues layered loads for a `tiers.cuda_copy.CudaPageCopier`, on its streams and staging buffers."""
+    """Issues layered loads for a `tiers.cuda_copy.CudaPageCopier`, on streams and staging buffers of its own: on the
+    copier's, a load queued behind the backups (GPU -> host copies, gathers into the shared staging) that a burst of
+    new pages had just started, and a host hit waited for another request's write-through."""
 
-    def __init__(self, copier: Any, runtime: Any):
+    def __init__(self, copier: Any, runtime: Any, staging_bytes: int):
         self.copier = copier
         self.runtime = runtime  # CuPy's runtime (dma), or None (zero_copy: the copier's mapped host pool)
         layout = copier.device_pool.layout
@@ -115,20 +117,37 @@ class LayerLoader:
         self.layer_bytes: int = layout.page_bytes // layout.num_layers
         self.page_bytes: int = layout.page_bytes
         self.fail_at_layer: int | None = None  # tests: issuing this layer raises (a copy call refused)
+        device = copier.device_pool.device
+        self.copy_stream = torch.cuda.Stream(device)  # host -> staging copies (zero_copy: the gathers)
+        self.shuffle_stream = torch.cuda.Stream(device)  # staging -> pool scatters
+        elements = max(1, staging_bytes // copier.device_pool.kv.element_size())
+        self.staging = ([torch.empty(elements, dtype=copier.device_pool.dtype, device=device) for _ in range(2)]
+                        if runtime is not None else [])
+        self.staging_free = [torch.cuda.Event() for _ in self.staging]
+        for ev in self.staging_free:
+            ev.record(self.shuffle_stream)
         self._turn = 0  # the staging buffer used last
 
     def load(self, host_pages: Sequence[int], device_pages: Sequence[int], after: object) -> LayeredTransfer:
-        """Queue the copy of host pages into GPU pages (pairwise), layer group by layer group."""
+        """Queue the copy of host pages into GPU pages (pairwise), layer group by layer group. Like the copier's, it
+        waits for the compute queued before it, or only before `after` (a fence)."""
         c = self.copier
-        c._wait_for_compute(after)
-        dev_index = c._index(device_pages, c.copy_stream)
-        host_index = c._index(host_pages, c.copy_stream) if c.host_alias is not None else None
-        c._keep(dev_index, host_index)
+        for stream in (self.copy_stream, self.shuffle_stream):
+            if after is None:
+                stream.wait_stream(torch.cuda.current_stream())
+            else:
+                assert isinstance(after, torch.cuda.Event)
+                stream.wait_event(after)
+        dev_index = c._index(device_pages, self.copy_stream)
+        host_index = c._index(host_pages, self.copy_stream) if c.host_alias is not None else None
+        for t in (dev_index, host_index):
+            if t is not None:  # allocated on the copy stream, used on both
+                t.record_stream(self.shuffle_stream)
         runs = _runs(host_pages)
         group = self.group_layers(len(runs))
         events: list[torch.cuda.Event] = []
         failed = False
-        last = c.copy_stream if c.host_alias is not None else c.shuffle_stream  # the stream each group ends on
+        last = self.copy_stream if c.host_alias is not None else self.shuffle_stream  # where each group ends
         try:
             for first in range(0, self.num_layers, group):
                 end = min(self.num_layers, first + group)
@@ -159,7 +178,7 @@ class LayerLoader:
     def _gather_layers(self, host_index: torch.Tensor | None, dev_index: torch.Tensor, first: int, end: int) -> None:
         c = self.copier
         assert host_index is not None and c.host_alias is not None
-        with torch.cuda.stream(c.copy_stream):
+        with torch.cuda.stream(self.copy_stream):
             pages = c.host_alias[:, first:end].index_select(0, host_index)  # reads host memory over PCIe
             c.device_pool.kv[first:end].index_copy_(2, dev_index, pages.permute(1, 2, 0, 3, 4, 5))
 
@@ -168,25 +187,25 @@ class LayerLoader:
         (shuffle stream), chunk by chunk through the double-buffered staging buffers."""
         c = self.copier
         width = (end - first) * self.layer_bytes  # one page's bytes of these layers
-        chunk = max(1, c.staging[0].numel() * c.staging[0].element_size() // width)  # pages a staging buffer holds
+        chunk = max(1, self.staging[0].numel() * self.staging[0].element_size() // width)  # pages a buffer holds
         host_base = c.host_pool.buffer.data_ptr() + first * self.layer_bytes
         kv = c.device_pool.kv[first:end]
         shape = (end - first, 2, *kv.shape[3:])
         for start in range(0, len(host_pages), chunk):
             stop = min(len(host_pages), start + chunk)
             buf = self._turn = (self._turn + 1) % 2
-            staging = c.staging[buf]
-            with torch.cuda.stream(c.copy_stream):
-                c.copy_stream.wait_event(c.staging_free[buf])
+            staging = self.staging[buf]
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(self.staging_free[buf])
                 base = staging.data_ptr()
                 for offset, page, length in _runs(host_pages[start:stop]):
                     self.runtime.memcpy2DAsync(base + offset * width, width, host_base + page * self.page_bytes,
                                                self.page_bytes, width, length, self.runtime.memcpyHostToDevice,
-                                               c.copy_stream.cuda_stream)
+                                               self.copy_stream.cuda_stream)
                 copied = torch.cuda.Event()
-                copied.record(c.copy_stream)
-            with torch.cuda.stream(c.shuffle_stream):
-                c.shuffle_stream.wait_event(copied)
-                staged = staging.view(-1)[: (stop - start) * width // kv.element_size()]
+                copied.record(self.copy_stream)
+            with torch.cuda.stream(self.shuffle_stream):
+                self.shuffle_stream.wait_event(copied)
+                staged = staging[: (stop - start) * width // kv.element_size()]
                 kv.index_copy_(2, dev_index[start:stop], staged.view(stop - start, *shape).permute(1, 2, 0, 3, 4, 5))
-                c.staging_free[buf].record(c.shuffle_stream)
+                self.staging_free[buf].record(self.shuffle_stream)

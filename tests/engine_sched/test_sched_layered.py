@@ -237,7 +237,7 @@ def host_hit_logits(engine, fail_at_layer: int | None = None) -> tuple[torch.Ten
     inner = engine.cache.controller.copier.copier
     if inner.layers is not None:
         inner.layers.fail_at_layer = fail_at_layer
-    with torch.cuda.stream(inner.copy_stream):
+    with torch.cuda.stream(inner.layers.copy_stream if inner.layers is not None else inner.copy_stream):
         torch.cuda._sleep(100_000_000)
     engine.add_request("a", A, GREEDY)
     out = run_all(engine)["a"][2]
