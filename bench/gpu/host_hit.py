@@ -7,6 +7,8 @@ each timed at its first streamed token, with --new-tokens new tokens after P:
 - host:      after --gpu-evictors other prompts of P's length push P out of the GPU (the host tier keeps it);
 - disk:      after --host-evictors more push it out of host memory too (the L3 keeps it; 0: skipped);
 - recompute: a prompt of the same shape nobody sent before.
+With --settle-s the host hit waits that long after the evictors: their GPU -> host copies, started when the pool
+filled or the engine idled, are then done, and the GPU pages the hit loads into need not wait for them.
 Each request's cached tokens per tier are recorded, so an arm whose prefix did not come from where it says shows.
 
     python bench/gpu/host_hit.py --url URL --prefix-tokens 32768 --new-tokens 1024 --gpu-evictors 3 --rounds 3
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import httpx
 from l3_vs_recompute import request, text_of
@@ -35,6 +38,8 @@ def main() -> None:
     ap.add_argument("--gpu-evictors", type=int, default=3)
     ap.add_argument("--host-evictors", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="pause after the evictors, so that their write-through copies to host have finished")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -55,6 +60,7 @@ def main() -> None:
             timed(client, args.url, model, prefix + new(0))
             one = {"gpu": timed(client, args.url, model, prefix + new(1))}
             evict(args.gpu_evictors, 10)
+            time.sleep(args.settle_s)
             one["host"] = timed(client, args.url, model, prefix + new(2))
             if args.host_evictors:
                 evict(args.host_evictors, 50)

@@ -59,6 +59,7 @@ class TimeSetup:
     batch_tokens: int = 0
     admit_during_forward: bool = False
     overlap: bool = True
+    layered: bool = True  # host -> GPU loads stream in under the forward that reads them (cache.load_policy.layered)
     prefetch: bool = True
     prefetch_host_share: float = 0.5
     prefetch_queue_s: float = 0.25
@@ -150,7 +151,7 @@ class TimedReplay:
         device = MetadataPool(setup.device_blocks, bb, "device")
         host = MetadataPool(setup.host_blocks, bb, "host") if setup.host_blocks else None
         self.store = ReplayL3(setup.disk_blocks, bb, setup.admission_hits) if setup.disk_blocks else None
-        self.copier = TimedCopier(clock, bb, setup.host_to_device_bytes_per_s)
+        self.copier = TimedCopier(clock, bb, setup.host_to_device_bytes_per_s, layered=t.layered)
         self.worker = None
         if self.store is not None:
             read_bw = setup.disk_to_device_bytes_per_s
@@ -161,7 +162,7 @@ class TimedReplay:
                                       shared=t.disk_shared)
         cost = CostModel(bt, bb, setup.load_mode, setup.prefill_tokens_per_s, setup.host_to_device_bytes_per_s,
                          setup.disk_to_device_bytes_per_s, attention_seconds_per_pair=setup.attention_seconds_per_pair,
-                         adaptive=False, overlap=t.overlap)
+                         adaptive=False, overlap=t.overlap, host_streams=t.layered)
         self.ctrl = TierController(tree, device, host, self.store, self.copier, setup.write_policy, cost, self.worker,
                                    setup.disk_blocks or None, prefetch=t.prefetch,
                                    prefetch_host_share=t.prefetch_host_share, prefetch_queue_s=t.prefetch_queue_s)
@@ -308,8 +309,11 @@ class TimedReplay:
             with sched.step() as plan:
                 if plan:
                     plan, steps = self._stretch(plan)
-                    sched.before_forward(plan)
+                    waits = sched.before_forward(plan)
                     prefill, decode = self._forward_seconds(plan, steps)
+                    # a forward that streams its loads in ends no sooner than they land (its last layer after)
+                    landing = max((getattr(h, "end", 0.0) for h in waits), default=0.0) - clock.now
+                    prefill += max(0.0, landing - prefill - decode)
                     sched.after_forward(plan)
             if not plan and self.decoding:
                 steps = self._decode_steps(self._forward_seconds(plan)[1])

@@ -61,11 +61,25 @@ class TimedTransfer:
         self.clock.block_until(self.end)
 
 
-class TimedCopier:
-    """Host <-> GPU page copies that take their time (controller.ports.Copier); see the module doc."""
+class TimedLayeredTransfer(TimedTransfer):
+    """A host -> GPU copy that a forward may start under (tiers/layered_copy.py): the replay's step that reads it
+    lasts at least until it lands (TimedReplay.run)."""
 
-    def __init__(self, clock: SimClock, page_bytes: int, bytes_per_s: float | None):
+    __slots__ = ()
+    streams = True
+    failed = False
+
+    def stream_wait_layer(self, layer: int, stream: Any = None) -> None:
+        return None
+
+
+class TimedCopier:
+    """Host <-> GPU page copies that take their time (controller.ports.Copier); see the module doc. `layered`:
+    loads stream in under the forward, as `cache.load_policy.layered` has them on CUDA."""
+
+    def __init__(self, clock: SimClock, page_bytes: int, bytes_per_s: float | None, layered: bool = False):
         self.clock = clock
+        self.layered = layered
         self.page_bytes = page_bytes
         self.bytes_per_s = bytes_per_s
         self._free_at = {"to_host": 0.0, "to_device": 0.0}
@@ -77,6 +91,8 @@ class TimedCopier:
         start = max(self.clock.now, self._free_at[direction])
         end = self._free_at[direction] = start + pages * self.page_bytes / self.bytes_per_s
         heapq.heappush(self._ends, end)
+        if self.layered and direction == "to_device":
+            return TimedLayeredTransfer(self.clock, end)
         return TimedTransfer(self.clock, end)
 
     def to_host(self, device_pages: Sequence[int], host_pages: Sequence[int]) -> TransferHandle:

@@ -151,13 +151,16 @@ def test_a_prefix_on_disk_waits_for_its_read_then_its_copy() -> None:
     """Load mode always: a 10-block prompt computed once (the GPU and host tiers too small to keep it after two
     fillers), then asked again: its first 9 blocks come from disk (9 MB at 0.1 GB/s = 90 ms) and its last block is
     computed (the server computes a prompt's last token). The reads land part by part, each part copied to the GPU
-    as it lands, so at 1 GB/s only the last part's copy adds to the wait: at most 9 MB, 9 ms."""
+    as it lands, so at 1 GB/s only the last part's copy adds to the wait: at most 9 MB, 9 ms. Copied layer by layer
+    (cache.load_policy.layered) that copy runs under the last block's forward: it adds only what outlasts it."""
     policy = WritePolicy("write_through", "write_through", defer_above_free=1.0, l3_admit="all", l3_host_share=1.0)
     last_block = prefill(1000) - prefill(900)
-    for host_bytes_per_s, copy_s in ((1e12, (0.0, 1e-5)), (1e9, (0.001, 0.009))):
+    for layered, host_bytes_per_s, copy_s in ((False, 1e12, (0.0, 1e-5)), (False, 1e9, (0.001, 0.009)),
+                                              (True, 1e9, (0.0, max(0.0, 0.009 - last_block)))):
         rep = TimedReplay(setup(device=11, host=10, disk=100, write_policy=policy,
                                 host_to_device_bytes_per_s=host_bytes_per_s),
-                          TimeSetup(decode_step_s=0.0, chunk_tokens=10_000, disk_write_bytes_per_s=1e12))
+                          TimeSetup(decode_step_s=0.0, chunk_tokens=10_000, disk_write_bytes_per_s=1e12,
+                                    layered=layered))
         prompt, fillers = list(range(10)), [list(range(50, 60)), list(range(70, 80))]
         open_loop(rep, [record(0, prompt, 1000), record(1000, fillers[0], 1000), record(2000, fillers[1], 1000),
                         record(4000, prompt, 1000)])
