@@ -110,22 +110,25 @@ class ChunkStore:
 
 class WaitedJobs:
     """A store's reads and writes for callers that wait for their own (SGLang calls its backend from threads of its
-    own): an L3Worker runs them, so that concurrent callers' writes share its writer's synced batches (one
-    fdatasync and index commit for many calls) and reads run on its `threads` reader threads, however many callers
-    there are; each caller waits on its job's future."""
+    own). Writes go to an L3Worker, so that concurrent callers' writes share its writer's synced batches (one
+    fdatasync and index commit for many calls); its writer hands each completion straight to the caller's future.
+    Reads run on the caller's thread (`L3Worker.read_now`): it would only wait for a reader thread, and each
+    hand-off between threads cost a small call more than its I/O (bench/RESULTS.md, 'Engine tiers against the
+    engines' own')."""
 
     def __init__(self, store: Any, threads: int, queue_pages: int, batch_pages: int) -> None:
-        self.worker = L3Worker(store, threads=threads, queue_pages=queue_pages, batch_pages=batch_pages)
         self._waiting: dict[int, Future[Completion]] = {}
         self._lock = threading.Lock()
         self._tokens = itertools.count()
-        self._closed = threading.Event()
-        self._collector = threading.Thread(target=self._collect, name="hicache-jobs", daemon=True)
-        self._collector.start()
+        self.worker = L3Worker(store, threads=threads, queue_pages=queue_pages, batch_pages=batch_pages,
+                               on_complete=self._deliver)
 
     def write(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
         """Store pages; True where stored (or already present). False for all when the write queue is full."""
-        token, done = self._register()
+        done: Future[Completion] = Future()
+        with self._lock:
+            token = next(self._tokens)
+            self._waiting[token] = done
         if not self.worker.submit_write(token, keys, pages):
             with self._lock:
                 self._waiting.pop(token)
@@ -134,33 +137,16 @@ class WaitedJobs:
 
     def read(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
         """Read pages into buffers; True where read and verified."""
-        token, done = self._register()
-        self.worker.submit_read(token, keys, pages)
-        return done.result().results
+        return self.worker.read_now(keys, pages)
 
     def close(self) -> None:
-        """Finish the queued jobs (their callers get their results), then stop."""
+        """Finish the queued writes (their callers get their results), then stop."""
         self.worker.close()
-        self._closed.set()
-        self._collector.join()
-        self._deliver(self.worker.completions())
 
-    def _register(self) -> tuple[int, Future[Completion]]:
-        done: Future[Completion] = Future()
+    def _deliver(self, completion: Completion) -> None:
         with self._lock:
-            token = next(self._tokens)
-            self._waiting[token] = done
-        return token, done
-
-    def _collect(self) -> None:
-        while not self._closed.is_set():
-            self._deliver(self.worker.wait_completions(timeout=0.2))
-
-    def _deliver(self, completions: list[Completion]) -> None:
-        for completion in completions:
-            with self._lock:
-                done = self._waiting.pop(completion.token)
-            done.set_result(completion)
+            done = self._waiting.pop(completion.token)
+        done.set_result(completion)
 
 
 def byte_rows(view: memoryview) -> torch.Tensor:

@@ -52,8 +52,11 @@ class L3Worker:
     """Runs L3 store calls off the controller's thread; `synchronous=True` runs them inline (tests, replay)."""
 
     def __init__(self, store: Any, threads: int = 2, queue_pages: int = 4096, batch_pages: int = 32,
-                 synchronous: bool = False):
+                 synchronous: bool = False, on_complete: Callable[[Completion], None] | None = None):
+        """on_complete: called with each completion on the I/O thread that finished it, instead of queuing it for
+        `completions` (callers that each wait for their own job: hicache/integrations/chunks.py)."""
         self.store = store
+        self.on_complete = on_complete
         self.queue_pages = queue_pages
         self.batch_pages = batch_pages
         self.synchronous = synchronous
@@ -105,6 +108,22 @@ class L3Worker:
         else:
             self._reader.submit(self._run_read, token, list(keys), list(pages))
 
+    def read_now(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
+        """Read keys into page buffers on the calling thread, for a caller that would only wait for a queued read:
+        it saves the hand-offs to a reader thread and back. It counts as a read in progress, so the writer
+        yields to it as to queued reads. True where read and verified."""
+        with self._lock:
+            self._reads_active += 1
+        try:
+            return list(self.store.read_pages(list(keys), list(pages)))
+        except Exception:
+            logger.exception("L3 read of %d pages failed", len(keys))
+            return [False] * len(keys)
+        finally:
+            with self._idle:
+                self._reads_active -= 1
+                self._idle.notify_all()
+
     def completions(self) -> list[Completion]:
         """Completions that arrived since the last call."""
         out = []
@@ -144,7 +163,10 @@ class L3Worker:
     # ------------------------------------------------------------------ worker side
 
     def _finish(self, completion: Completion, pages: int = 0) -> None:
-        self._done.put(completion)
+        if self.on_complete is not None:
+            self.on_complete(completion)
+        else:
+            self._done.put(completion)
         with self._idle:
             self._queued_pages -= pages
             self._outstanding -= 1
