@@ -94,3 +94,31 @@ def test_a_stream_of_reads_cannot_starve_writes(monkeypatch):
         store.gate.set()
         worker.wait_idle(10)
         worker.close()
+
+
+def test_a_read_on_the_callers_thread_holds_writes_back_and_completions_go_to_the_callback(monkeypatch):
+    """`read_now` reads on the calling thread and counts as a read in progress (the writer waits for it); with
+    `on_complete` each completion is handed over on the I/O thread, none is queued for `completions`."""
+    monkeypatch.setattr(l3_io, "READ_PRIORITY_MAX_WAIT_S", 60.0)
+    store = Recording()
+    store.data[b"k" * 16] = page(7).numpy().tobytes()
+    handed: list = []
+    worker = L3Worker(store, threads=1, on_complete=handed.append)
+    out = torch.zeros(PAGE, dtype=torch.uint8)
+    results: list = []
+    reader = threading.Thread(target=lambda: results.append(worker.read_now([b"k" * 16, b"x" * 16], [out, out])))
+    try:
+        reader.start()
+        assert store.reading.wait(30)
+        assert worker.submit_write("w", [b"w" * 16], [page(1)])
+        assert wait_until(lambda: worker._writes.empty())
+        assert not store.wrote.is_set() and store.log == ["read start"]  # the write waits for the caller's read
+        store.gate.set()
+        reader.join(30)
+        assert results == [[True, False]] and torch.equal(out, page(7))
+        assert worker.wait_idle(10)
+        assert store.log == ["read start", "read end", "write"]
+        assert [(c.token, c.results) for c in handed] == [("w", [True])] and worker.completions() == []
+    finally:
+        store.gate.set()
+        worker.close()
