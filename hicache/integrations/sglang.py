@@ -127,6 +127,8 @@ class HicacheStorage(HiCacheStorage):
     def _halves(self, flat: torch.Tensor) -> list[torch.Tensor]:
         raw = flat.reshape(-1).view(torch.uint8)
         size = self._store.chunk_bytes
+        if raw.numel() != size * self.parts:
+            return [raw]  # not a page of this pool: refused whole (`_sound`)
         return [raw[i * size:(i + 1) * size] for i in range(self.parts)]
 
     # ---- the generic calls: flat pages
@@ -212,17 +214,33 @@ class HicacheStorage(HiCacheStorage):
               split: bool = True) -> list[Any]:
         """Read each page into its target (a flat page, or its halves with split=False); a page is returned only
         if every half verified, else None (a miss: SGLang stops its prefetch there)."""
-        flat_keys = [k for key in keys for k in self._keys(key, extra_info)]
-        buffers = [half for t in targets for half in (self._halves(t) if split else t)]
-        ok = self._waited.read(flat_keys, buffers)
-        return [t if all(ok[i * self.parts:(i + 1) * self.parts]) else None for i, t in enumerate(targets)]
+        sound = self._sound(keys, [self._halves(t) if split else t for t in targets], "get")
+        flat_keys = [k for i, key in enumerate(keys) if i in sound for k in self._keys(key, extra_info)]
+        ok = iter(self._waited.read(flat_keys, [half for i in sorted(sound) for half in sound[i]]))
+        got = {i: all([next(ok) for _ in range(self.parts)]) for i in sorted(sound)}
+        return [t if got.get(i, False) else None for i, t in enumerate(targets)]
 
     def _write(self, keys: list[str], pages: list[Any], extra_info: HiCacheStorageExtraInfo | None,
                split: bool = True) -> list[bool]:
-        flat_keys = [k for key in keys for k in self._keys(key, extra_info)]
-        buffers = [half for p in pages for half in (self._halves(p) if split else p)]
-        ok = self._waited.write(flat_keys, buffers)
-        return [all(ok[i * self.parts:(i + 1) * self.parts]) for i in range(len(keys))]
+        sound = self._sound(keys, [self._halves(p) if split else p for p in pages], "set")
+        flat_keys = [k for i, key in enumerate(keys) if i in sound for k in self._keys(key, extra_info)]
+        ok = iter(self._waited.write(flat_keys, [half for i in sorted(sound) for half in sound[i]]))
+        stored = {i: all([next(ok) for _ in range(self.parts)]) for i in sorted(sound)}
+        return [stored.get(i, False) for i in range(len(keys))]
+
+    def _sound(self, keys: list[str], halves: list[list[torch.Tensor]], call: str) -> dict[int, list[torch.Tensor]]:
+        """The pages whose halves are each a whole chunk, by index. A page of another size fails alone, logged
+        with its key: in a batch it would make the store refuse the whole batch, other callers' pages with it."""
+        size = self._store.chunk_bytes
+        sound = {}
+        for i, parts in enumerate(halves):
+            if len(parts) == self.parts and all(h.numel() * h.element_size() == size for h in parts):
+                sound[i] = parts
+            else:
+                got = sum(h.numel() * h.element_size() for h in parts)
+                logger.error("HicacheStorage.%s: page %r is %d bytes, expected %d: not %s", call, keys[i], got,
+                             size * self.parts, "stored" if call == "set" else "read")
+        return sound
 
     # ---- the rest of the backend API
 

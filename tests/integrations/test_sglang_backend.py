@@ -239,6 +239,25 @@ def test_a_full_store_evicts_and_keeps_working(tmp_path):
         backend.close()
 
 
+def test_a_page_of_the_wrong_size_fails_alone_with_its_key_named(tmp_path, caplog):
+    """A value of another size than the pool's pages is refused by itself, named in the log: passed on, the store
+    would have refused the whole write batch, other callers' pages in it."""
+    pool = host_pool("page_first")
+    fill(pool, 3)
+    backend = open_backend(pool, tmp_path)
+    try:
+        good, short, long = pages(pool, [0, 4, 8])
+        keys = ["good", "short", "long"]
+        assert backend.batch_set(keys, [good, short[: short.numel() // 2], torch.cat([long, long[:1]])]) is False
+        assert backend.batch_exists(keys) == 1 and backend.exists("good") and not backend.exists("short")
+        assert "HicacheStorage.set: page 'short'" in caplog.text and "page 'long'" in caplog.text
+        got = backend.batch_get(["good", "good"], [torch.empty_like(good), torch.empty(3, dtype=good.dtype)])
+        assert torch.equal(got[0], good) and got[1] is None
+        assert "HicacheStorage.get: page 'good' is 6 bytes" in caplog.text
+    finally:
+        backend.close()
+
+
 def test_the_shared_tier_serves_another_server(valkey, tmp_path):
     remote = {"remote": {"url": valkey.url, "key_prefix": f"sglang-test-{os.getpid()}"}}
     pool_a, pool_b = host_pool("page_first"), host_pool("page_first")
