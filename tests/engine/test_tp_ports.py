@@ -158,3 +158,32 @@ def test_a_follower_that_cannot_queue_a_write_reports_it_failed():
     ops = PlanOps(follower)
     ops.apply([("write", 9, [b"a" * 16, b"b" * 16], [0, 1], False)])  # 2 pages > its queue of 1
     assert ops.finished() == [(9, [False, False])]
+
+
+def test_a_followers_loads_are_waited_for_per_layer_by_its_forward_then_before_the_next_plan():
+    """A follower keeps its plan's loads for the forward's per-layer waits (tiers/layered_copy.py) and waits for
+    them itself only once that forward is queued, so that none outlives its plan."""
+    from tiers.layered_copy import layer_waits
+
+    events: list[tuple[str, int]] = []
+
+    class Streaming:
+        streams = True
+
+        def stream_wait_layer(self, layer: int, stream=None) -> None:
+            events.append(("layer", layer))
+
+        def wait(self) -> None:
+            events.append(("wait", -1))
+
+    follower = rank_tiers()
+    follower.copier = type("Copier", (), {"to_device": lambda self, h, d: Streaming()})()
+    ops = PlanOps(follower)
+    ops.apply([("to_device", [6, 7], [5, 6])])
+    assert len(ops.loads) == 1 and events == []  # applying the plan waits for nothing
+    before_layer = layer_waits(ops.loads)
+    assert before_layer is not None
+    for layer in range(3):
+        before_layer(layer)
+    ops.settle_loads()
+    assert events == [("layer", 0), ("layer", 1), ("layer", 2), ("wait", -1)] and ops.loads == []
