@@ -33,7 +33,7 @@ class TierOptions:
     size_gib: float | None = None
     io_backend: Literal["auto", "kvikio", "posix", "buffered"] = "auto"
     io_threads: int = 4  # threads of the store's page I/O
-    # engine calls served at once (vLLM load jobs, SGLang calls); each spreads its chunks over the I/O threads
+    # vLLM load jobs run at once, each spreading its chunks over the I/O threads (SGLang reads on its own threads)
     jobs_threads: int = 4
     queue_chunks: int = 4096  # chunks waiting to be written, at most; beyond it a store job fails at once
     sync_batch_mib: int = 64  # bytes written per fdatasync and index commit
