@@ -116,11 +116,12 @@ class WaitedJobs:
     hand-off between threads cost a small call more than its I/O (bench/RESULTS.md, 'Engine tiers against the
     engines' own')."""
 
-    def __init__(self, store: Any, threads: int, queue_pages: int, batch_pages: int) -> None:
+    def __init__(self, store: Any, queue_pages: int, batch_pages: int) -> None:
         self._waiting: dict[int, Future[Completion]] = {}
         self._lock = threading.Lock()
         self._tokens = itertools.count()
-        self.worker = L3Worker(store, threads=threads, queue_pages=queue_pages, batch_pages=batch_pages,
+        # its reader threads stay unused (reads run on the callers' threads)
+        self.worker = L3Worker(store, threads=1, queue_pages=queue_pages, batch_pages=batch_pages,
                                on_complete=self._deliver)
 
     def write(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:

@@ -70,8 +70,8 @@ class HicacheStorage(HiCacheStorage):
         self.close()
         self.chunks = ChunkStore(self.options, page_bytes // self.parts, self._identity(mem_pool_host, page),
                                  self._part(), SOURCE)
-        self._jobs = WaitedJobs(self.chunks.store, threads=self.options.jobs_threads,
-                                queue_pages=self.options.queue_chunks, batch_pages=self.chunks.sync_batch_chunks)
+        self._jobs = WaitedJobs(self.chunks.store, queue_pages=self.options.queue_chunks,
+                                batch_pages=self.chunks.sync_batch_chunks)
 
     def _identity(self, pool: Any, page: torch.Tensor) -> dict[str, Any]:
         c = self.config
