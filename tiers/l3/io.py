@@ -145,19 +145,20 @@ class PosixSlotIO:
     def _copy_mapped(self, write: bool, items: Sequence[int], slots: Sequence[int], tensors: Sequence[torch.Tensor],
                      results: list[SlotResult],
                      workers: int = 1) -> None:
-        """Copy and hash pages `items` to or from the mapping as one `MappedBatch`: each of `workers` threads (the
-        caller's alone for 1) enters C once and takes the next page until none is left. One Python entry a thread
-        rather than a page, so the threads do not queue for the interpreter lock between pages, and a slow page
-        holds up one thread only."""
+        """Copy and hash pages `items` to or from the mapping as one `MappedBatch`: each of `workers` threads, the
+        caller's and workers - 1 of the I/O threads, enters C once and takes the next page until none is left. One
+        Python entry a thread rather than a page, so the threads do not queue for the interpreter lock between
+        pages, and a slow page holds up one thread only. The caller works rather than waits: when many callers
+        read at once (an engine's threads, each reading a page or two), handing every page to the I/O threads
+        and back cost more than the copy, and the I/O threads became the callers' queue."""
         offset = self.slab.header.slot_offset
         assert self.mapped is not None  # callers copy through the mapping only when there is one
         batch = self.mapped.batch(write, [tensors[i].data_ptr() for i in items], [offset(slots[i]) for i in items],
                                   self.page_bytes, MAPPED_PIECE_BYTES)
-        if workers == 1:
-            batch.run()
-        else:
-            for f in [self.pool.submit(batch.run) for _ in range(workers)]:
-                f.result()
+        helpers = [self.pool.submit(batch.run) for _ in range(workers - 1)]
+        batch.run()
+        for f in helpers:
+            f.result()
         for i, (digest, error) in zip(items, batch.outcomes()):
             results[i] = SlotResult(digest=digest, error=error)
 
