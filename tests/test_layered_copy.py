@@ -55,7 +55,8 @@ def test_a_fragmented_host_pool_gets_wider_layer_groups(monkeypatch):
     monkeypatch.setattr(lc, "MAX_COPY_CALLS", 10)  # 6 runs x 5 layers = 30 calls: groups of 3 layers
     dev, host, c = copier("dma")
     data = fill(host)
-    assert len(lc._runs(HOST_PAGES)) == 6 and c.layers.group_layers(6) == 3 and c.layers.group_layers(1) == 1
+    assert (len(lc._runs(HOST_PAGES, len(HOST_PAGES))) == 6 and c.layers.group_layers(6) == 3
+            and c.layers.group_layers(1) == 1)
     dev_pages = list(range(len(HOST_PAGES)))
     transfer = c.to_device(HOST_PAGES, dev_pages)
     assert transfer.layer_events[0] is transfer.layer_events[2] is not transfer.layer_events[3]

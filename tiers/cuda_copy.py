@@ -15,13 +15,16 @@ Two ways to move a batch of non-contiguous pages, chosen by page size:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
-from tiers.layered_copy import LayeredTransfer, LayerLoader, memcpy_2d
 from tiers.pinned import map_host_tensor
+
+if TYPE_CHECKING:  # tiers.layered_copy builds on this module's transfers and stream helpers
+    from tiers.layered_copy import LayeredTransfer
 
 # per staging buffer; two of them (256 MiB measured no faster: bench/RESULTS.md, 'Host <-> GPU page transfers')
 STAGING_BYTES = 64 << 20
@@ -44,6 +47,24 @@ class CudaTransfer:
     def stream_wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current one) wait for this transfer without blocking the host."""
         (stream or torch.cuda.current_stream()).wait_event(self.event)
+
+
+def wait_for_compute(streams: Sequence[torch.cuda.Stream], after: object) -> None:
+    """Order `streams` after the compute queued so far, or only after `after` (a `fence()`: an event)."""
+    for stream in streams:
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream())
+        else:
+            assert isinstance(after, torch.cuda.Event)
+            stream.wait_event(after)
+
+
+def keep(streams: Sequence[torch.cuda.Stream], *tensors: torch.Tensor | None) -> None:
+    """Tell the caching allocator these tensors (allocated on one of `streams`) are in use on all of them."""
+    for t in tensors:
+        if t is not None:
+            for stream in streams:
+                t.record_stream(stream)
 
 
 def _runs(pages: Sequence[int], limit: int) -> list[tuple[int, int, int]]:
@@ -90,16 +111,14 @@ class CudaPageCopier:
         self._next_fence = 0
         for ev in self.staging_free:
             ev.record(self.shuffle_stream)
+        from tiers.layered_copy import LayerLoader, memcpy_2d
+
         runtime = memcpy_2d() if layered and self.host_alias is None else None
         self.layers = (LayerLoader(self, runtime, staging_bytes) if layered and (self.host_alias is not None or runtime)
                        else None)
 
     def _keep(self, *tensors: torch.Tensor | None) -> None:
-        """Tell the caching allocator these tensors (allocated on one copier stream) are in use on both."""
-        for t in tensors:
-            if t is not None:
-                t.record_stream(self.copy_stream)
-                t.record_stream(self.shuffle_stream)
+        keep((self.copy_stream, self.shuffle_stream), *tensors)
 
     def _index(self, pages: Sequence[int], stream: torch.cuda.Stream) -> torch.Tensor:
         """Page ids on the device, uploaded on `stream` (a copier stream). On the compute stream the upload
@@ -109,13 +128,7 @@ class CudaPageCopier:
             return index.to(self.device_pool.device, non_blocking=True)
 
     def _wait_for_compute(self, after: object) -> None:
-        """Order both copier streams after the compute queued so far, or only after `after` (a `fence()`: an event)."""
-        for stream in (self.copy_stream, self.shuffle_stream):
-            if after is None:
-                stream.wait_stream(torch.cuda.current_stream())
-            else:
-                assert isinstance(after, torch.cuda.Event)
-                stream.wait_event(after)
+        wait_for_compute((self.copy_stream, self.shuffle_stream), after)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(s, min(n, s + self.chunk_pages)) for s in range(0, n, self.chunk_pages)]

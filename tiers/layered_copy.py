@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from tiers.cuda_copy import CudaTransfer, _runs, keep, wait_for_compute
+
 logger = logging.getLogger(__name__)
 
 # per load, at most about this many cudaMemcpy2DAsync calls (each costs the engine thread a few microseconds):
@@ -44,26 +46,16 @@ def memcpy_2d() -> Any:
     return runtime
 
 
-class LayeredTransfer:
+class LayeredTransfer(CudaTransfer):
     """A host -> GPU copy issued layer group by layer group: `layer_events[i]` is recorded once layer i of every
     page is in the pool, `event` once all of it is (or, `failed`, once what was queued has landed)."""
 
     streams = True  # a forward may start before it lands, waiting for each layer (see the module doc)
 
     def __init__(self, layer_events: list[torch.cuda.Event], event: torch.cuda.Event, failed: bool):
+        super().__init__(event)
         self.layer_events = layer_events
-        self.event = event
         self.failed = failed
-
-    def done(self) -> bool:
-        return bool(self.event.query())
-
-    def wait(self) -> None:
-        self.event.synchronize()
-
-    def stream_wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make `stream` (default: the current one) wait for the whole copy without blocking the host."""
-        (stream or torch.cuda.current_stream()).wait_event(self.event)
 
     def stream_wait_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` wait for layer `layer` of every page. A failed load has no event for the layers it never
@@ -94,19 +86,6 @@ def layer_waits(handles: Sequence[Any]) -> Callable[[int], None] | None:
     return before_layer
 
 
-def _runs(pages: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(start index, first page, length) runs of consecutive page ids."""
-    runs = []
-    i, n = 0, len(pages)
-    while i < n:
-        j = i + 1
-        while j < n and pages[j] == pages[j - 1] + 1:
-            j += 1
-        runs.append((i, pages[i], j - i))
-        i = j
-    return runs
-
-
 class LayerLoader:
     """Issues layered loads for a `tiers.cuda_copy.CudaPageCopier`, on streams and staging buffers of its own: on the
     copier's, a load queued behind the backups (GPU -> host copies, gathers into the shared staging) that a burst of
@@ -135,18 +114,12 @@ class LayerLoader:
         """Queue the copy of host pages into GPU pages (pairwise), layer group by layer group. Like the copier's, it
         waits for the compute queued before it, or only before `after` (a fence)."""
         c = self.copier
-        for stream in (self.copy_stream, self.shuffle_stream):
-            if after is None:
-                stream.wait_stream(torch.cuda.current_stream())
-            else:
-                assert isinstance(after, torch.cuda.Event)
-                stream.wait_event(after)
+        streams = (self.copy_stream, self.shuffle_stream)
+        wait_for_compute(streams, after)
         dev_index = c._index(device_pages, self.copy_stream)
         host_index = c._index(host_pages, self.copy_stream) if c.host_alias is not None else None
-        for t in (dev_index, host_index):
-            if t is not None:  # allocated on the copy stream, used on both
-                t.record_stream(self.shuffle_stream)
-        runs = _runs(host_pages)
+        keep(streams, dev_index, host_index)
+        runs = _runs(host_pages, max(1, len(host_pages)))
         group = self.group_layers(len(runs))
         events: list[torch.cuda.Event] = []
         failed = False
@@ -201,7 +174,7 @@ class LayerLoader:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.staging_free[buf])
                 base = staging.data_ptr()
-                for offset, page, length in _runs(host_pages[start:stop]):
+                for offset, page, length in _runs(host_pages[start:stop], chunk):
                     self.runtime.memcpy2DAsync(base + offset * width, width, host_base + page * self.page_bytes,
                                                self.page_bytes, width, length, self.runtime.memcpyHostToDevice,
                                                self.copy_stream.cuda_stream)
