@@ -67,8 +67,10 @@ class CostModel:
     overlap: bool = False  # allow plans that compute a gap while the pages after it load
     host_streams: bool = False  # host -> GPU loads run layer by layer under the forward (see above)
 
-    def load_seconds(self, tier: str) -> float:
-        if tier == DEVICE:
+    def load_seconds(self, tier: str, busy: bool = False) -> float:
+        """Seconds to load a page from `tier`; `busy`: the GPU has other work queued, and a host page's load takes
+        only copy-engine time nobody else needs (see the class doc): nothing."""
+        if tier == DEVICE or busy and tier == HOST:
             return 0.0
         bw = self.host_to_device_bytes_per_s if tier == HOST else self.disk_to_device_bytes_per_s
         return 0.0 if not bw else self.page_bytes / bw
@@ -113,8 +115,7 @@ class CostModel:
             return used
         best, best_saving, saving, used = 0, 0.0, 0.0, 0
         for tier, n in page_tiers:
-            load = 0.0 if busy and tier == HOST else self.load_seconds(tier)
-            saving += self.compute_seconds(used, used + n) - n * load
+            saving += self.compute_seconds(used, used + n) - n * self.load_seconds(tier, busy)
             used += n
             if saving >= best_saving:  # ties favour loading more (it also warms the GPU tier)
                 best, best_saving = used, saving
@@ -132,7 +133,7 @@ class CostModel:
         if not self._can_overlap(page_tiers):
             k = self.pages_to_load(page_tiers, busy)
             return LoadPlan(k, k, k)
-        host, disk = self._load_prefix_sums(page_tiers, host_free=busy)
+        host, disk = self._load_prefix_sums(page_tiers, busy)
         # where a gap must not cover host pages: the first host page at or after each page (len: none)
         host_gap_end = self._next_host_pages(page_tiers) if busy or self.host_streams else None
         # cut where the tier changes: a prefix of many nodes in one tier is one run, so the plan does not depend on
@@ -191,12 +192,12 @@ class CostModel:
         )
 
     def _load_prefix_sums(self, page_tiers: Sequence[tuple[str, int]],
-                          host_free: bool = False) -> tuple[list[float], list[float]]:
-        """Seconds to load pages [0, i) over the host link and over the disk link, for every i (`host_free`: host
-        loads priced at nothing, as while the GPU is busy)."""
+                          busy: bool = False) -> tuple[list[float], list[float]]:
+        """Seconds to load pages [0, i) over the host link and over the disk link, for every i (`busy`: as
+        `load_seconds` prices them then)."""
         host, disk = [0.0], [0.0]
         for tier, n in page_tiers:
-            cost = 0.0 if host_free and tier == HOST else self.load_seconds(tier)
+            cost = self.load_seconds(tier, busy)
             for _ in range(n):
                 host.append(host[-1] + (cost if tier == HOST else 0.0))
                 disk.append(disk[-1] + (cost if tier == DISK else 0.0))

@@ -77,8 +77,6 @@ class Prefetcher:
         if hold is None:
             hold = PrefetchHold()
         hold.short = hold.queue_bound = False
-        if not loads.prefetch_enabled:
-            return hold
         held = {id(node) for node, _ in hold.pins}
         _, runs = loads.usable_runs(m)
         limit = loads.cost.pages_to_load([(HOST if tier == DISK else tier, n) for tier, n in runs])

@@ -355,9 +355,9 @@ def test_a_write_backs_up_a_parent_whose_only_copy_is_on_the_gpu_first():
 
 
 def test_a_burst_that_outruns_the_disk_waits_in_free_host_memory_and_is_all_written():
-    """Issue 50 row 17: with every page sent to L3, a burst of commits (eight prompts at once) outran the write
-    queue for a moment and pages were dropped as `l3_backlog` while the disk sat nearly empty. A backlog is a rate,
-    not a lack of room: past twice their share of host memory, waiting writes may still hold what is free."""
+    """With every page sent to L3, a burst of commits (eight prompts at once) outruns the write queue for a moment.
+    A backlog is a rate, not a lack of room: past twice their share of host memory, waiting writes may still hold
+    what is free, so none is dropped as `l3_backlog` while the disk is nearly empty."""
     l3 = StuckL3(256, LAYOUT.page_bytes)
     l3.go.clear()  # the disk is busy for the whole burst
     policy = dataclasses.replace(WritePolicy.eager(), l3_host_share=0.25)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import httpx
@@ -69,10 +70,7 @@ def main() -> None:
             rounds.append(one)
             print(f"round {r}: " + ", ".join(f"{k} {v['ttft_s'] * 1000:.1f} ms {v['cached']}" for k, v in one.items()),
                   flush=True)
-    medians = {}
-    for key in rounds[0]:
-        values = sorted(r[key]["ttft_s"] for r in rounds)
-        medians[key] = values[len(values) // 2]
+    medians = {key: statistics.median_high(r[key]["ttft_s"] for r in rounds) for key in rounds[0]}
     ratios = {k: v / medians["gpu"] for k, v in medians.items()}
     result = {"prefix_tokens": args.prefix_tokens, "new_tokens": args.new_tokens, "median_ttft_s": medians,
               "vs_gpu_hit": ratios, "rounds": rounds}

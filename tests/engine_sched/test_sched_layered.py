@@ -117,16 +117,16 @@ def evict_a_to_host(engine, device_tokens: int = DEVICE_TOKENS) -> None:
     assert node.on_host and not node.on_device
 
 
-def miss_logits(tiny) -> torch.Tensor:
-    engine, _ = host_engine(tiny)
+def miss_logits(engine) -> torch.Tensor:
+    """A's first-token logits on a fresh engine: its prefix computed, nothing cached."""
     seen = first_logits(engine)
     engine.add_request("a", A, GREEDY)
     run_all(engine)
-    return seen["a"]
+    return seen["a"].cpu()
 
 
 def test_a_request_runs_while_its_prefix_streams_in_and_waits_per_layer(tiny):
-    expected = miss_logits(tiny)
+    expected = miss_logits(host_engine(tiny)[0])
     engine, copier = host_engine(tiny)
     evict_a_to_host(engine)
     seen = first_logits(engine)
@@ -149,7 +149,7 @@ def test_a_request_runs_while_its_prefix_streams_in_and_waits_per_layer(tiny):
 
 
 def test_a_load_that_fails_part_way_is_recomputed(tiny):
-    expected = miss_logits(tiny)
+    expected = miss_logits(host_engine(tiny)[0])
     engine, copier = host_engine(tiny)
     evict_a_to_host(engine)
     seen = first_logits(engine)
@@ -248,11 +248,7 @@ def host_hit_logits(engine, fail_at_layer: int | None = None) -> tuple[torch.Ten
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["dma", "zero_copy"])
 def test_cuda_layered_load_gives_the_logits_of_a_whole_load_and_of_a_miss(tiny_cuda, mode):
-    miss = cuda_engine(tiny_cuda, mode)
-    seen = first_logits(miss)
-    miss.add_request("a", A, GREEDY)
-    run_all(miss)
-    expected = seen["a"].cpu()
+    expected = miss_logits(cuda_engine(tiny_cuda, mode))
     layered, out = host_hit_logits(cuda_engine(tiny_cuda, mode))
     assert out.usage.cached_tokens[HOST] == out.usage.total_cached_tokens == 80
     whole, out = host_hit_logits(cuda_engine(tiny_cuda, mode, cache__load_policy__layered=False))
@@ -264,10 +260,7 @@ def test_cuda_layered_load_gives_the_logits_of_a_whole_load_and_of_a_miss(tiny_c
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["dma", "zero_copy"])
 def test_cuda_load_failing_at_a_layer_is_recomputed_like_a_miss(tiny_cuda, mode):
-    miss = cuda_engine(tiny_cuda, mode)
-    seen = first_logits(miss)
-    miss.add_request("a", A, GREEDY)
-    run_all(miss)
+    expected = miss_logits(cuda_engine(tiny_cuda, mode))
     got, out = host_hit_logits(cuda_engine(tiny_cuda, mode), fail_at_layer=1)
     assert out.usage.total_cached_tokens == 0
-    torch.testing.assert_close(got, seen["a"].cpu(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
