@@ -7,11 +7,14 @@ the storage (bench/l3_bench.py's `raw_best`) beside them.
 Each system stores `--chunks` chunks and loads them back, with 1, 8 and 64 jobs in flight (`--inflight`), each job
 `--chunks-per-job` chunks, into a fresh directory per run. vLLM's tiers are driven through their own job API
 (submit_store / submit_load / get_finished_jobs) from one thread that keeps the window full, as the scheduler does;
-SGLang's backends are called (batch_set / batch_get) from as many threads as jobs in flight, as its prefetch and
-backup threads do. Between the stores and the loads, every file is written back and dropped from the page cache,
-so that loads read the storage. hicache's checksums are on (they always are); its store syncs data and index as it
-always does, where vLLM's `fs` tier and SGLang's `HiCacheFile` write without a sync (HiCacheFile through the page
-cache). Figures are GB/s of chunk bytes.
+SGLang's backends are called (batch_set / batch_get) from one thread, a call of as many chunks as jobs in flight at
+a time, as its cache controller's prefetch and backup threads call them (`run_sglang_calls`). Between the stores and
+the loads, every file is written back and dropped from the page cache, so that loads read the storage. hicache's
+checksums are on (they always are); its store syncs data and index as it always does, where vLLM's `fs` tier and
+SGLang's `HiCacheFile` write without a sync (HiCacheFile through the page cache): "synced" adds, for every system,
+the os.sync that writes back what the stores left dirty. A hicache store starts timing once its store has settled
+(`settle`; the seconds that took are reported as "ready"). Every figure is the median of `--repeats` runs, the
+systems taking turns. Figures are GB/s of chunk bytes.
 """
 
 from __future__ import annotations
@@ -21,11 +24,10 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -68,6 +70,37 @@ def drop_page_cache(directory: str) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def settle(system: Any) -> float:
+    """Seconds until a hicache tier's store has done its start-up work (`ChunkStore.settle`: a slab on tmpfs mapped
+    in), so that the runs time the steady state a server serves in, not its first second; 0 for the engines' own
+    tiers, which have none."""
+    chunks = getattr(system, "chunks", None)
+    if chunks is None or not hasattr(chunks, "settle"):
+        return 0.0
+    start = time.perf_counter()
+    chunks.settle()
+    return time.perf_counter() - start
+
+
+def synced(store_s: float) -> float:
+    """`store_s` plus the time to write back what the stores left dirty in the page cache (os.sync): the store
+    time to durable bytes. hicache's jobs complete once synced; the engines' own tiers complete with their bytes in
+    the page cache, which a sustained load cannot outrun for long."""
+    start = time.perf_counter()
+    os.sync()
+    return store_s + time.perf_counter() - start
+
+
+def figures(nbytes: int, store_s: float, durable_s: float, load_s: float, ready_s: float) -> dict[str, float]:
+    return {"store_gbps": nbytes / store_s / GB, "durable_gbps": nbytes / durable_s / GB,
+            "load_gbps": nbytes / load_s / GB, "ready_s": ready_s}
+
+
+def median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over repeated runs (a 2-core box varies by a third run to run)."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
 # ---- vLLM: the fs tier and HicacheTier through the SecondaryTierManager job API
@@ -147,7 +180,9 @@ def bench_vllm(kind: str, root: str, rows: np.ndarray, per_job: int, inflight: i
     try:
         tier = vllm_tier(kind, directory, rows, chunks)
         try:
+            ready_s = settle(tier)
             store_s = run_vllm_jobs(tier, keys, per_job, inflight, promotion=False)
+            durable_s = synced(store_s)
             rows[:] = 0
             drop_page_cache(directory)
             load_s = run_vllm_jobs(tier, keys, per_job, inflight, promotion=True)
@@ -155,7 +190,7 @@ def bench_vllm(kind: str, root: str, rows: np.ndarray, per_job: int, inflight: i
             tier.shutdown()
         if not np.array_equal(rows, expected):
             raise RuntimeError(f"vllm {kind}: loaded bytes differ from the stored ones")
-        return {"store_gbps": chunks * chunk_bytes / store_s / GB, "load_gbps": chunks * chunk_bytes / load_s / GB}
+        return figures(chunks * chunk_bytes, store_s, durable_s, load_s, ready_s)
     finally:
         rows[:] = expected
         shutil.rmtree(directory, ignore_errors=True)
@@ -195,10 +230,12 @@ def sglang_backend(kind: str, directory: str, chunks: int, chunk_bytes: int) -> 
     return backend
 
 
-def run_sglang_calls(call: Any, batches: list[list[int]], inflight: int) -> float:
+def run_sglang_calls(call: Any, batches: list[list[int]]) -> float:
+    """Seconds for one thread to make the calls one after another, as SGLang's cache controller does: its prefetch
+    I/O thread (`prefetch_io_aux_func`) and its backup thread (`_page_backup`) each call the backend with a batch of
+    up to STORAGE_BATCH_SIZE (128) pages at a time, and wait for it."""
     start = time.perf_counter()
-    with ThreadPoolExecutor(inflight) as pool:
-        results = list(pool.map(call, batches))
+    results = [call(batch) for batch in batches]
     elapsed = time.perf_counter() - start
     if not all(results):
         raise RuntimeError("a call failed")
@@ -209,30 +246,31 @@ def bench_sglang(kind: str, root: str, rows: np.ndarray, per_job: int, inflight:
     chunks, chunk_bytes = rows.shape
     pages = torch.from_numpy(rows).view(torch.bfloat16)
     keys = [f"{i:064x}" for i in range(chunks)]
-    batches = [list(range(i, min(i + per_job, chunks))) for i in range(0, chunks, per_job)]
+    per_call = per_job * inflight  # SGLang's pages in flight: those of the one call it waits for
+    batches = [list(range(i, min(i + per_call, chunks))) for i in range(0, chunks, per_call)]
     directory = tempfile.mkdtemp(prefix=f"sglang-{kind}-", dir=root)
     expected = rows.copy()
-    lock = threading.Lock()
     try:
         backend = sglang_backend(kind, directory, chunks, chunk_bytes)
         try:
+            ready_s = settle(backend)
             store_s = run_sglang_calls(lambda ids: backend.batch_set([keys[i] for i in ids], [pages[i] for i in ids]),
-                                       batches, inflight)
+                                       batches)
+            durable_s = synced(store_s)
             rows[:] = 0
             drop_page_cache(directory)
 
             def load(ids: list[int]) -> bool:
                 got = backend.batch_get([keys[i] for i in ids], [pages[i] for i in ids])
-                with lock:
-                    return all(g is not None for g in got)
+                return all(g is not None for g in got)
 
-            load_s = run_sglang_calls(load, batches, inflight)
+            load_s = run_sglang_calls(load, batches)
         finally:
             if hasattr(backend, "close"):
                 backend.close()
         if not np.array_equal(rows, expected):
             raise RuntimeError(f"sglang {kind}: loaded bytes differ from the stored ones")
-        return {"store_gbps": chunks * chunk_bytes / store_s / GB, "load_gbps": chunks * chunk_bytes / load_s / GB}
+        return figures(chunks * chunk_bytes, store_s, durable_s, load_s, ready_s)
     finally:
         rows[:] = expected
         shutil.rmtree(directory, ignore_errors=True)
@@ -251,24 +289,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--inflight", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--raw-threads", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is reported)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     chunk_bytes = int(args.chunk_mib * (1 << 20))
     rows = aligned_rows(args.chunks, chunk_bytes)
     results: dict[str, Any] = {"chunks": args.chunks, "chunk_bytes": chunk_bytes, "per_job": args.chunks_per_job}
     for root in args.dirs:
-        raw = raw_best(root, args.chunks * chunk_bytes, args.raw_threads, 1)
+        raw = raw_best(root, args.chunks * chunk_bytes, args.raw_threads, args.repeats)
         entry: dict[str, Any] = {"raw_write_gbps": raw["write"]["best"] / GB, "raw_read_gbps": raw["read"]["best"] / GB}
         print(f"{root}: raw write {entry['raw_write_gbps']:.2f} GB/s, read {entry['raw_read_gbps']:.2f} GB/s",
               flush=True)
-        for name in args.systems:
-            engine, kind = SYSTEMS[name]
-            for inflight in args.inflight:
-                run = bench_vllm if engine == "vllm" else bench_sglang
-                figures = run(kind, root, rows, args.chunks_per_job, inflight)
-                entry[f"{name} @{inflight}"] = figures
-                print(f"{root}: {name:22} {inflight:3} in flight: store {figures['store_gbps']:6.2f} GB/s, "
-                      f"load {figures['load_gbps']:6.2f} GB/s", flush=True)
+        for inflight in args.inflight:
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.systems}
+            for _ in range(args.repeats):  # the systems take turns, so that a drift of the machine hits them alike
+                for name in args.systems:
+                    engine, kind = SYSTEMS[name]
+                    run = bench_vllm if engine == "vllm" else bench_sglang
+                    runs[name].append(run(kind, root, rows, args.chunks_per_job, inflight))
+            for name, got in ((name, median_figures(r)) for name, r in runs.items()):
+                entry[f"{name} @{inflight}"] = got
+                print(f"{root}: {name:22} {inflight:3} in flight: store {got['store_gbps']:6.2f} GB/s "
+                      f"({got['durable_gbps']:6.2f} synced), load {got['load_gbps']:6.2f} GB/s; "
+                      f"ready after {got['ready_s']:.2f} s", flush=True)
         results[root] = entry
     if args.json:
         with open(args.json, "w") as f:

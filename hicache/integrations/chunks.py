@@ -104,6 +104,11 @@ class ChunkStore:
         """Which keys the local store holds (its in-memory index: no I/O)."""
         return self.local.contains(keys) if self.local is not None else [False] * len(keys)
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until the local store's start-up work in the background is done (`L3Store.settle`)."""
+        settle = getattr(self.local, "settle", None)
+        return settle(timeout) if settle is not None else True
+
     def close(self) -> None:
         self.store.close()
 

@@ -286,3 +286,42 @@ def test_auto_maps_a_slab_on_tmpfs_and_posix_does_not(loop):
                 assert store.write_pages([key(3)], [content(key(3), PAGE)]) == [True]
                 assert store.read_pages([key(3)], out := empty(PAGE)) == [True]
                 assert torch.equal(out[0], content(key(3), PAGE))
+
+
+def test_a_mapped_call_takes_helpers_only_for_bytes_worth_a_hand_off_and_within_io_threads(loop, tmp_path,
+                                                                                           monkeypatch):
+    from tiers.l3 import io as l3_io
+
+    page = 1 << 20
+    store = mapped_store(tmp_path / "s", pages=16, page_bytes=page)
+    io = store._io
+    io.io_threads = 4
+    helpers: list[int] = []
+    submit = io.pool.submit
+
+    def counted(fn, *args):
+        helpers[-1] += 1
+        return submit(fn, *args)
+
+    monkeypatch.setattr(io.pool, "submit", counted)
+    monkeypatch.setattr(l3_io, "MAPPED_HELPER_BYTES", 4 * page)
+    keys = [key(i) for i in range(16)]
+    pages = [content(k, page) for k in keys]
+
+    def write(count: int) -> None:
+        helpers.append(0)
+        assert store.write_pages(keys[:count], pages[:count]) == [True] * count
+        helpers.append(0)
+        out = empty(page, count)  # what the threads shared out comes back whole
+        assert store.read_pages(keys[:count], out) == [True] * count
+        assert all(torch.equal(a, b) for a, b in zip(pages, out))
+        store.delete(keys[:count])
+
+    write(2)  # 2 MiB: less than one helper's share, the caller copies alone
+    write(8)  # 8 MiB: the caller and one helper
+    write(16)  # 16 MiB: three helpers, the caller the fourth of io_threads
+    io._copying = 3  # three other threads copying: one slot left, the caller's own
+    write(16)
+    io._copying = 0
+    assert helpers == [0, 0, 1, 1, 3, 3, 0, 0]  # each write's, then its read's
+    store.close()

@@ -32,6 +32,9 @@ FUSED_PIECE_BYTES = 1 << 20
 # pages with no hash, and writes through the mapping beat pwrite (tmpfs serialises pwrite on the file's lock;
 # bench/RESULTS.md, 'L3 store vs raw O_DIRECT').
 MAPPED_PIECE_BYTES = 256 << 10
+# The least a helper thread takes of a mapped call: handing work to an I/O thread and waiting for it back costs
+# about what copying and hashing 1 MiB does (50-100 us), so a smaller share is faster done by the caller itself.
+MAPPED_HELPER_BYTES = 4 << 20
 
 
 @dataclass
@@ -91,6 +94,9 @@ class PosixSlotIO:
         # calls copying through the mapping right now: close waits for them before it unmaps (a copy into memory
         # unmapped under it would crash the process, not raise)
         self._mapped_calls = 0
+        # threads copying through the mapping right now, callers and helpers: a call takes helpers only while this
+        # stays within io_threads (`_copy_mapped`)
+        self._copying = 0
         self._mapped_closing = False
         self._mapped_idle = threading.Condition()
         if map_reads is None:
@@ -145,22 +151,42 @@ class PosixSlotIO:
     def _copy_mapped(self, write: bool, items: Sequence[int], slots: Sequence[int], tensors: Sequence[torch.Tensor],
                      results: list[SlotResult],
                      workers: int = 1) -> None:
-        """Copy and hash pages `items` to or from the mapping as one `MappedBatch`: each of `workers` threads, the
-        caller's and workers - 1 of the I/O threads, enters C once and takes the next page until none is left. One
-        Python entry a thread rather than a page, so the threads do not queue for the interpreter lock between
-        pages, and a slow page holds up one thread only. The caller works rather than waits: when many callers
-        read at once (an engine's threads, each reading a page or two), handing every page to the I/O threads
-        and back cost more than the copy, and the I/O threads became the callers' queue."""
+        """Copy and hash pages `items` to or from the mapping as one `MappedBatch`: the caller's thread and up to
+        workers - 1 of the I/O threads each enter C once and take the next page until none is left. One Python entry
+        a thread rather than a page, so the threads do not queue for the interpreter lock between pages, and a slow
+        page holds up one thread only.
+
+        The caller works rather than waits. It takes a helper for each further MAPPED_HELPER_BYTES of the call, and
+        only while the threads copying through the mapping, callers included, stay within io_threads. When many
+        callers copy at once (an engine's threads, each with a page or two), they already keep the cores busy: a
+        helper's hand-off there costs more than its share of the copy, and the I/O threads would become the callers'
+        queue (bench/RESULTS.md, 'Engine tiers against the engines' own')."""
         offset = self.slab.header.slot_offset
         assert self.mapped is not None  # callers copy through the mapping only when there is one
         batch = self.mapped.batch(write, [tensors[i].data_ptr() for i in items], [offset(slots[i]) for i in items],
                                   self.page_bytes, MAPPED_PIECE_BYTES)
-        helpers = [self.pool.submit(batch.run) for _ in range(workers - 1)]
-        batch.run()
-        for f in helpers:
-            f.result()
+        with self._mapped_idle:
+            worth = len(items) * self.page_bytes // MAPPED_HELPER_BYTES - 1
+            helping = max(0, min(workers - 1, worth, self.io_threads - self._copying - 1))
+            self._copying += 1 + helping
+        try:
+            helpers = [self.pool.submit(batch.run) for _ in range(helping)]
+            batch.run()
+            for f in helpers:
+                f.result()
+        finally:
+            with self._mapped_idle:
+                self._copying -= 1 + helping
         for i, (digest, error) in zip(items, batch.outcomes()):
             results[i] = SlotResult(digest=digest, error=error)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until the mapping is faulted in, so that every slot moves through it; True once it is (or where
+        there is no mapping), False on timeout."""
+        if self.mapped is None:
+            return True
+        self._populating.join(timeout)
+        return not self._populating.is_alive()
 
     def write(self, slots: Sequence[int], pages: Sequence[torch.Tensor]) -> list[SlotResult]:
         """Write each page to its slot (zero-padded to slot_bytes). Not synced: call slab.sync()."""

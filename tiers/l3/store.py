@@ -104,6 +104,13 @@ class L3Store(StoreOpening, StoreWrites, StoreReads):
         mapping of it)."""
         return self._io_name
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until the store's start-up work in the background is done (a slab in memory is mapped in: until
+        then, slots past the mapped part move by pread/pwrite, and the mapping takes a core); True once done, False on
+        timeout. A server need not call it; a benchmark of steady throughput does."""
+        settle = getattr(self._io, "settle", None)
+        return settle(timeout) if settle is not None else True
+
     def used_pages(self) -> int:
         """Pages currently indexed."""
         with self._lock:
