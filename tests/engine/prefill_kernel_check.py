@@ -41,6 +41,14 @@ CONFIGS = {
     "TMA boxes, packed": PrefixKernelConfig(block_m=16, block_n=16, pack_gqa=True, num_warps=4, num_stages=1,
                                             tma=True),
 }
+# the keys shared out among programs (`num_splits`): 2 and 3 splits, and 7, more than the longest case has steps of
+# keys (splits with none to walk), with a head each or a packed group, plain or TMA
+SPLIT_CASES = {
+    "a head each, 2 splits": (CONFIGS["a head each, a page a step"], 2),
+    "packed, 3 splits": (CONFIGS["packed, a page a step"], 3),
+    "a head each, half a page a step, 7 splits": (CONFIGS["a head each, half a page a step"], 7),
+    "TMA boxes, packed, 3 splits": (CONFIGS["TMA boxes, packed"], 3),
+}
 
 
 def kernel_cases() -> dict:
@@ -59,6 +67,9 @@ def kernel_cases() -> dict:
         poisoned.view(2, -1, kv_heads, head_dim)[:, slots] = kv.view(2, -1, kv_heads, head_dim)[:, slots]
         got = {name: paged_prefix_attention(q, poisoned[0], poisoned[1], table, seq_len, config)
                for name, config in CONFIGS.items()}
+        got.update({name: paged_prefix_attention(q, poisoned[0], poisoned[1], table, seq_len, config,
+                                                 num_splits=splits)
+                    for name, (config, splits) in SPLIT_CASES.items()})
         out["cases"].append({"seq_len": seq_len, "q": q.clone(), "got": got})
     return out
 

@@ -83,10 +83,11 @@ def test_bf16_prefill_attention_reads_grouped_kv_heads_in_place(cached: int) -> 
 
 
 @pytest.mark.parametrize("shape", ["plain", "packed", "tma", "tma-128", "defaults"])
-@pytest.mark.parametrize(("cached", "new"), [(300, 200), (64, 1000), (7000, 1024)])
+@pytest.mark.parametrize(("cached", "new"), [(300, 200), (64, 1000), (7000, 1024), (20000, 64), (5000, 8)])
 def test_bf16_prefix_kernel_matches_float32_attention(cached: int, new: int, shape: str) -> None:
     """The Triton prefix kernel in bf16, Llama-3.1-8B's head shapes and 64-token pages, against float32 attention
-    by hand: block edges, a prefix that is not page-aligned, and a multi-turn round's 1k tokens over 7k; with the
+    by hand: block edges, a prefix that is not page-aligned, a multi-turn round's 1k tokens over 7k, and a few tokens
+    over a long prefix (its keys split among programs, `prefix_splits_for`); with the
     plain launch shape, with a GQA group packed into 128 rows and two pages of keys a step, with pages loaded as TMA
     boxes (64 and 128 rows), and through the default shapes (TMA first on Hopper)."""
     pytest.importorskip("triton")

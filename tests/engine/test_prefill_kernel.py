@@ -26,7 +26,7 @@ def test_kernel_matches_causal_attention_over_the_page_table(interpreted_prefill
     assert len(case["cases"]) == 8
     for c in case["cases"]:
         expected = causal_attention(c["q"], case["kv"], case["table"], c["seq_len"], case["page_size"])
-        assert len(c["got"]) == 6  # every launch shape of prefill_kernel_check.CONFIGS
+        assert len(c["got"]) == 10  # every launch shape of prefill_kernel_check.CONFIGS, and its SPLIT_CASES
         for name, got in c["got"].items():
             assert got.shape == expected.shape
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=f"seq_len {c['seq_len']}, {name}")
@@ -221,3 +221,19 @@ def test_plan_marks_decodes_planned_first_and_steps_without_sdpa() -> None:
     assert not chunks_only.sdpa and chunks_only.kernel is None
     reference = plan_attention(torch.tensor([19, 8]), [20, 9], [1, 1], tables_for([20, 9]), 16)  # no decode kernel
     assert reference.sdpa and not reference.decode_first
+
+
+def test_keys_are_split_only_where_few_programs_walk_a_long_prefix() -> None:
+    pytest.importorskip("triton")
+    from hicache.engine.kernels import prefill
+
+    cpu = torch.device("cpu")  # 8 "multiprocessors" off CUDA: a target of 32 programs
+    # 64 new tokens over a 45k prefix, a program per query head: 32 programs fill the target
+    assert prefill.prefix_splits_for(64, 45_120, 32, 64, cpu) == 1
+    # 4 programs: 8 splits make the 32
+    assert prefill.prefix_splits_for(64, 45_120, 4, 64, cpu) == 8
+    # a short prefix: each split keeps at least SPLIT_MIN_STEPS steps of keys
+    assert prefill.prefix_splits_for(64, 64 + 3 * 16 * 64, 1, 64, cpu) == 3
+    assert prefill.prefix_splits_for(64, 64 + 15 * 64, 1, 64, cpu) == 1
+    # the partial outputs stay within SPLIT_MAX_ROWS rows of new tokens x splits
+    assert prefill.prefix_splits_for(2048, 2048 + 45_056, 1, 64, cpu) == prefill.SPLIT_MAX_ROWS // 2048

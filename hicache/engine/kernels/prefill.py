@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hicache.engine.kernels import decode
 from hicache.engine.kernels.decode import triton
 
 logger = logging.getLogger(__name__)
@@ -45,22 +46,28 @@ if triton is not None:
     )
 
     # the lengths change with every call: not specialised on, so serving compiles the kernel once
-    @triton.jit(do_not_specialize=["n_new", "seq_len", "stride_qt", "stride_ot"])
+    @triton.jit(do_not_specialize=["n_new", "seq_len", "stride_qt", "stride_ot", "stride_mt", "stride_lt"])
     def _prefix_attention_kernel(
-        q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
         n_new, seq_len,
         stride_qt, stride_qh,
         stride_kp, stride_ks, stride_kh,
         stride_ot, stride_oh,
+        stride_mt, stride_mh, stride_ms,
+        stride_lt, stride_lh,
         qk_scale,
         GROUP: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         # a block's BLOCK_M rows are TOKENS new tokens x HEADS_PER_BLOCK query heads (1, or a whole GQA group,
-        # which then reads each K/V tile once for all of its heads)
+        # which then reads each K/V tile once for all of its heads). With SPLITS > 1 the block's keys are shared
+        # out: program `split` takes its share of the whole steps, the last one also the steps that reach the
+        # block's own positions, and each writes its softmax's partial output and log-sum-exp for the merge
         TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_BLOCK
         block = tl.program_id(0)
         first_head = tl.program_id(1) * HEADS_PER_BLOCK
+        split = tl.program_id(2)
         kv_head = first_head // GROUP
         r = tl.arange(0, BLOCK_M)
         tokens = block * TOKENS + r // HEADS_PER_BLOCK
@@ -77,7 +84,14 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for start in range(0, unmasked_end, BLOCK_N):
+        if SPLITS == 1:
+            lo = 0
+            hi = unmasked_end
+        else:
+            per_split = tl.cdiv(unmasked_end // BLOCK_N, SPLITS) * BLOCK_N
+            lo = split * per_split
+            hi = tl.minimum(lo + per_split, unmasked_end)
+        for start in range(lo, hi, BLOCK_N):
             keys = start + offs_n
             if USE_TMA:  # one page a step (BLOCK_N == PAGE): a [PAGE, HEAD_DIM] box of the pool's 2-D view
                 row = tl.load(table_ptr + start // PAGE).to(tl.int32) * PAGE
@@ -99,8 +113,10 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         # the keys that reach the block's own positions: key j is visible to the query at position i iff j <= i.
-        # Every row sees key 0, so a row's running max is finite after its first step here or above
-        for start in range(unmasked_end, visible_end, BLOCK_N):
+        # Every row sees key 0, so without splits a row's running max is finite after its first step here or above;
+        # a split may have seen no key of a row yet (a max of -inf), whose terms then count as 0 (`m_use`)
+        diag_start = unmasked_end if SPLITS == 1 else tl.where(split == SPLITS - 1, unmasked_end, visible_end)
+        for start in range(diag_start, visible_end, BLOCK_N):
             keys = start + offs_n
             in_seq = keys < seq_len
             if USE_TMA:  # the page's slots past seq_len hold anything (NaN too): zeroed before p @ v
@@ -116,14 +132,23 @@ if triton is not None:
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             scores = tl.where((keys[None, :] <= positions[:, None]) & in_seq[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.math.exp2(scores - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
+            m_use = m_new if SPLITS == 1 else tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(scores - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if SPLITS == 1:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:  # this split's share, normalised, and its log-sum-exp (base 2; -inf where it saw no key of the row)
+            seen = l_i > 0
+            safe = tl.where(seen, l_i, 1.0)
+            tl.store(mid_o_ptr + tokens[:, None] * stride_mt + heads[:, None] * stride_mh + split * stride_ms
+                     + dims[None, :], acc / safe[:, None], mask=row_ok[:, None])
+            tl.store(mid_lse_ptr + tokens * stride_lt + heads * stride_lh + split,
+                     tl.where(seen, m_i + tl.log2(safe), float("-inf")), mask=row_ok)
 
 
 @dataclass(frozen=True)
@@ -187,9 +212,30 @@ def prefix_kernel_available(device: torch.device) -> bool:
     return bool(default_configs(device))
 
 
+# Key splits: a program's keys are shared out while fewer than SPLIT_TARGET_PER_SM programs per SM would run, each
+# split keeping at least SPLIT_MIN_STEPS steps of keys, and at most SPLIT_MAX_ROWS new tokens x splits of partial
+# outputs (float32, 64 MiB at 32 heads of 128).
+SPLIT_TARGET_PER_SM = 4
+SPLIT_MIN_STEPS = 16
+SPLIT_MAX = 32
+SPLIT_MAX_ROWS = 4096
+
+
+def prefix_splits_for(n_new: int, seq_len: int, programs: int, block_n: int, device: torch.device) -> int:
+    """Key splits per program of a call: a few new tokens over a long prefix make few programs (a block of tokens
+    per query head), each walking every key, and leave most SMs idle; split, each program walks a share of the keys
+    and a merge adds the shares by their log-sum-exp, as decoding does. 1 where the programs already fill the GPU
+    or the prefix is short (bench/RESULTS.md, 'Prefix attention kernel')."""
+    target = SPLIT_TARGET_PER_SM * decode._multiprocessors(device)
+    if programs >= target:
+        return 1
+    steps = (seq_len - n_new) // block_n
+    return max(1, min(-(-target // programs), steps // SPLIT_MIN_STEPS, SPLIT_MAX, SPLIT_MAX_ROWS // n_new))
+
+
 def paged_prefix_attention(
     q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_len: int,
-    config: PrefixKernelConfig | None = None, out: Tensor | None = None,
+    config: PrefixKernelConfig | None = None, out: Tensor | None = None, num_splits: int | None = None,
 ) -> Tensor:
     """Causal attention of one sequence's new tokens (the last q.shape[0] of its seq_len) over all its keys.
 
@@ -200,23 +246,23 @@ def paged_prefix_attention(
     Needs `hicache.engine.kernels.decode.kernel_supported` for the device, page size and head_dim. Without `config`
     the default launch shapes are tried in turn (`default_configs`): one that does not compile or fit on this GPU
     is logged once and skipped from then on. Raises PrefixKernelUnavailable when none (or the given `config`)
-    can run.
+    can run. num_splits: key splits per program (default `prefix_splits_for` the call).
     """
     if config is not None:
-        return _launch(q, k_pool, v_pool, page_table, seq_len, config, out)
+        return _launch(q, k_pool, v_pool, page_table, seq_len, config, out, num_splits)
     configs = default_configs(q.device, k_pool, v_pool)
     if not configs:
         raise PrefixKernelUnavailable("; ".join(sorted(set(_unavailable.values()))) or "no launch shape applies")
     for config in configs[:-1]:
         try:
-            return _launch(q, k_pool, v_pool, page_table, seq_len, config, out)
+            return _launch(q, k_pool, v_pool, page_table, seq_len, config, out, num_splits)
         except PrefixKernelUnavailable:
             continue  # logged by _launch; the next shape
-    return _launch(q, k_pool, v_pool, page_table, seq_len, configs[-1], out)
+    return _launch(q, k_pool, v_pool, page_table, seq_len, configs[-1], out, num_splits)
 
 
 def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_len: int,
-            config: PrefixKernelConfig, out: Tensor | None = None) -> Tensor:
+            config: PrefixKernelConfig, out: Tensor | None = None, num_splits: int | None = None) -> Tensor:
     if config in _unavailable:
         raise PrefixKernelUnavailable(_unavailable[config])
     n_new, num_heads, head_dim = q.shape
@@ -242,17 +288,25 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_l
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}, head_dim "
                          "contiguous")
     grid = (triton.cdiv(n_new, config.block_m // heads_per_block), num_heads // heads_per_block)
+    splits = num_splits or prefix_splits_for(n_new, seq_len, grid[0] * grid[1], config.block_n, q.device)
+    if splits > 1:  # each split's normalised share and log-sum-exp, merged below by decode's merge kernel
+        mid_o = torch.empty(n_new, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(n_new, num_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_lse = out  # never written
     try:
-        _prefix_attention_kernel[grid](
-            q, k_pool, v_pool, k_desc, v_desc, page_table, out,
+        _prefix_attention_kernel[(*grid, splits)](
+            q, k_pool, v_pool, k_desc, v_desc, page_table, out, mid_o, mid_lse,
             n_new, seq_len,
             q.stride(0), q.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             out.stride(0), out.stride(1),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
             (1.0 / math.sqrt(head_dim)) * math.log2(math.e),
             GROUP=group, HEADS_PER_BLOCK=heads_per_block, PAGE=page_size, HEAD_DIM=head_dim,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, USE_TMA=config.tma,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     except _LAUNCH_ERRORS as e:  # e.g. a GPU with less shared memory than the tiles need (float32 doubles them)
@@ -261,6 +315,14 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_l
                        "cached prefix use the next default shape, or SDPA after the last", config, q.device, q.dtype,
                        why)
         raise PrefixKernelUnavailable(why) from e
+    if splits > 1:
+        decode._decode_merge_kernel[(n_new, num_heads)](
+            mid_o, mid_lse, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        )
     return out
 
 
