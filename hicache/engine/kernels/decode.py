@@ -110,19 +110,22 @@ if triton is not None:
         tl.store(o_ptrs, out, mask=row_ok[:, None])
         tl.store(mid_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
 
-    @triton.jit(do_not_specialize=["stride_ob", "stride_lb", "stride_outb"])
+    # num_splits is not specialised on: the prefix kernel's merge (kernels/prefill.py) passes many values, each
+    # padded to a power of two (SPLITS_PAD), so that a few variants serve them all
+    @triton.jit(do_not_specialize=["stride_ob", "stride_lb", "stride_outb", "num_splits"])
     def _decode_merge_kernel(
         mid_o_ptr, mid_lse_ptr, out_ptr,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
         stride_outb, stride_outh,
-        HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        num_splits,
+        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
         splits = tl.arange(0, SPLITS_PAD)
         dims = tl.arange(0, HEAD_DIM)
-        split_ok = splits < NUM_SPLITS
+        split_ok = splits < num_splits
         lse = tl.load(mid_lse_ptr + seq * stride_lb + head * stride_lh + splits, mask=split_ok, other=float("-inf"))
         top = tl.max(lse, axis=0)
         weights = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
@@ -180,7 +183,7 @@ def paged_decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        num_splits, HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         num_warps=4,
     )
     return out

@@ -46,10 +46,13 @@ if triton is not None:
     )
 
     # the lengths change with every call: not specialised on, so serving compiles the kernel once
-    @triton.jit(do_not_specialize=["n_new", "seq_len", "stride_qt", "stride_ot", "stride_mt", "stride_lt"])
+    # the lengths and the number of key splits change with every call: not specialised on, so serving compiles the
+    # kernel once per launch shape, split or not
+    @triton.jit(do_not_specialize=["n_new", "seq_len", "num_splits", "stride_qt", "stride_ot", "stride_mt",
+                                   "stride_lt"])
     def _prefix_attention_kernel(
         q_ptr, k_ptr, v_ptr, k_desc, v_desc, table_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-        n_new, seq_len,
+        n_new, seq_len, num_splits,
         stride_qt, stride_qh,
         stride_kp, stride_ks, stride_kh,
         stride_ot, stride_oh,
@@ -58,12 +61,12 @@ if triton is not None:
         qk_scale,
         GROUP: tl.constexpr, HEADS_PER_BLOCK: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-        SPLITS: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         # a block's BLOCK_M rows are TOKENS new tokens x HEADS_PER_BLOCK query heads (1, or a whole GQA group,
-        # which then reads each K/V tile once for all of its heads). With SPLITS > 1 the block's keys are shared
-        # out: program `split` takes its share of the whole steps, the last one also the steps that reach the
-        # block's own positions, and each writes its softmax's partial output and log-sum-exp for the merge
+        # which then reads each K/V tile once for all of its heads). SPLIT: the block's keys are shared out among
+        # num_splits programs: program `split` takes its share of the whole steps, the last one also the steps that
+        # reach the block's own positions, and each writes its softmax's partial output and log-sum-exp
         TOKENS: tl.constexpr = BLOCK_M // HEADS_PER_BLOCK
         block = tl.program_id(0)
         first_head = tl.program_id(1) * HEADS_PER_BLOCK
@@ -84,11 +87,11 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        if SPLITS == 1:
+        if not SPLIT:
             lo = 0
             hi = unmasked_end
         else:
-            per_split = tl.cdiv(unmasked_end // BLOCK_N, SPLITS) * BLOCK_N
+            per_split = tl.cdiv(unmasked_end // BLOCK_N, num_splits) * BLOCK_N
             lo = split * per_split
             hi = tl.minimum(lo + per_split, unmasked_end)
         for start in range(lo, hi, BLOCK_N):
@@ -115,7 +118,7 @@ if triton is not None:
         # the keys that reach the block's own positions: key j is visible to the query at position i iff j <= i.
         # Every row sees key 0, so without splits a row's running max is finite after its first step here or above;
         # a split may have seen no key of a row yet (a max of -inf), whose terms then count as 0 (`m_use`)
-        diag_start = unmasked_end if SPLITS == 1 else tl.where(split == SPLITS - 1, unmasked_end, visible_end)
+        diag_start = unmasked_end if not SPLIT else tl.where(split == num_splits - 1, unmasked_end, visible_end)
         for start in range(diag_start, visible_end, BLOCK_N):
             keys = start + offs_n
             in_seq = keys < seq_len
@@ -132,13 +135,13 @@ if triton is not None:
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             scores = tl.where((keys[None, :] <= positions[:, None]) & in_seq[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_use = m_new if SPLITS == 1 else tl.where(m_new == float("-inf"), 0.0, m_new)
+            m_use = m_new if not SPLIT else tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(scores - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        if SPLITS == 1:
+        if not SPLIT:
             out = acc / l_i[:, None]
             tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -297,7 +300,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_l
     try:
         _prefix_attention_kernel[(*grid, splits)](
             q, k_pool, v_pool, k_desc, v_desc, page_table, out, mid_o, mid_lse,
-            n_new, seq_len,
+            n_new, seq_len, splits,
             q.stride(0), q.stride(1),
             k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
             out.stride(0), out.stride(1),
@@ -306,7 +309,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_l
             (1.0 / math.sqrt(head_dim)) * math.log2(math.e),
             GROUP=group, HEADS_PER_BLOCK=heads_per_block, PAGE=page_size, HEAD_DIM=head_dim,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, USE_TMA=config.tma,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=splits,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     except _LAUNCH_ERRORS as e:  # e.g. a GPU with less shared memory than the tiles need (float32 doubles them)
@@ -321,7 +324,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_l
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
+            splits, HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
         )
     return out
 
