@@ -14,6 +14,7 @@ import torch
 from hicache.cache import namespace_fields
 from hicache.config import Config
 from hicache.engine.kernels import fused as fused_ops
+from hicache.engine.kernels.prefill import PrefixKernelUnavailable, paged_prefix_attention
 from hicache.engine.model import ForwardBatch
 from tiers import KVLayout
 
@@ -109,9 +110,26 @@ def warm_up_prefix_kernel(model: Any, page_size: int) -> float:
         model(ForwardBatch(input_ids=torch.randint(0, model.config.vocab_size, (page_size,), device=device),
                            positions=positions, out_slots=positions, seq_lens=[first + page_size],
                            new_lens=[page_size], page_tables=[table]), kv, page_size)
-    if device.type == "cuda":
+    if device.type == "cuda" and model.prefill_kernel:
+        warm_up_key_splits(model, kv[0], table, page_size)
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+def warm_up_key_splits(model: Any, layer: torch.Tensor, table: torch.Tensor, page_size: int) -> int:
+    """Compile the prefix kernel's split variant and the merge of each padded split count (`prefix_splits_for`),
+    over one layer of a scratch pool: the first few tokens over a long prefix a client sends would otherwise wait
+    for them. Returns how many split counts ran (0 where the kernel is unavailable: chunks then use SDPA)."""
+    c = model.config
+    q = torch.zeros(page_size, c.num_heads, c.head_dim, dtype=model.dtype, device=layer.device)
+    ran = 0
+    for splits in (2, 4, 8, 16, 32):  # every SPLITS_PAD up to SPLIT_MAX; more splits than keys is fine
+        try:
+            paged_prefix_attention(q, layer[0], layer[1], table, 2 * page_size, num_splits=splits)
+        except PrefixKernelUnavailable:
+            break
+        ran += 1
+    return ran
 
 
 def engine_namespace(cfg: Config, model: Any, dtype_name: str, layout: KVLayout) -> dict:

@@ -16,6 +16,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from hicache.engine import load_model  # noqa: E402
+from hicache.engine.assembly import warm_up_key_splits  # noqa: E402
 from hicache.engine.kernels.prefill import (  # noqa: E402
     PrefixKernelConfig,
     paged_prefix_attention,
@@ -94,8 +95,10 @@ def model_cases() -> dict:
         model.prefill_kernel = kernel
         pool = kv.clone()
         results[kernel] = (model(batch(37, 70), pool, page_size, all_logits=True), pool)
+    # the engine's warm-up of the split kernel and its merges (CUDA only in build_engine), over this pool's layer 0
+    splits_warmed = warm_up_key_splits(model, kv[0], table[:2], page_size)
     return {"supported": model.uses_prefill_kernel(page_size), "ran": prefix_kernel_available(torch.device("cpu")),
-            "sdpa": results[False][0],
+            "splits_warmed": splits_warmed, "sdpa": results[False][0],
             "kernel": results[True][0], "sdpa_kv": results[False][1], "kernel_kv": results[True][1]}
 
 

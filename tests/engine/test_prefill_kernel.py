@@ -35,6 +35,7 @@ def test_kernel_matches_causal_attention_over_the_page_table(interpreted_prefill
 def test_model_prefill_through_kernel_matches_sdpa(interpreted_prefill: dict) -> None:
     case = interpreted_prefill["model"]
     assert case["supported"] is True and case["ran"] is True  # the kernel ran: no fallback to SDPA
+    assert case["splits_warmed"] == 5  # the warm-up ran the split kernel and each padded merge
     torch.testing.assert_close(case["kernel"], case["sdpa"], atol=1e-4, rtol=1e-4)
     # the chunk's K/V went to the same slots (layer 2's depend on layer 1's attention: equal up to rounding)
     torch.testing.assert_close(case["kernel_kv"], case["sdpa_kv"], atol=1e-5, rtol=1e-5)
