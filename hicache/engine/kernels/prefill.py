@@ -4,7 +4,8 @@ With a cached prefix, the SDPA path (`hicache.engine.attention`) first gathers t
 the paged pool into a contiguous copy, then runs flash attention with a bottom-right causal mask. This kernel walks
 the page table instead: one program per (block of new tokens, query head or whole GQA group), a block of keys
 gathered through the page table per step of an online softmax, the causal mask applied only on the steps that reach
-the block's own positions.
+the block's own positions. Few new tokens over a long prefix make few such programs; their keys are then split among
+several programs, and decode's merge kernel adds the shares by their log-sum-exp (`prefix_splits_for`).
 
 On by default (`model.prefill_attention: triton`): on the H200, over thousands of cached tokens, both its TMA
 launch shape (Hopper, 64-token pages) and the plain one take well under the gather + SDPA path's time
