@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from l3_helpers import NAMESPACE, content, empty, key
 
@@ -89,3 +90,25 @@ def test_capacity_change_on_reopen(tmp_path):
         assert store.capacity_pages == 16 and store.used_pages() == 4
         assert all(_write(store, range(10, 22)))
         store.check_integrity()
+
+
+def test_an_access_time_touch_rewrites_only_that_slots_older_record(tmp_path):
+    from tiers.l3.format import IndexRecord
+    from tiers.l3.index import L3Index
+
+    record = IndexRecord(slot=7, length=4096, checksum=0xABCDEF, last_access_ns=100)
+    moved = IndexRecord.touched(record.pack(), 7, 250)
+    assert moved is not None and IndexRecord.unpack(moved) == IndexRecord(7, 4096, 0xABCDEF, 250)
+    assert IndexRecord.touched(record.pack(), 8, 250) is None  # the key now names another slot
+    assert IndexRecord.touched(record.pack(), 7, 100) is None  # not more recent
+    with pytest.raises(ValueError, match="record is 3 bytes"):
+        IndexRecord.touched(b"abc", 7, 250)
+    index = L3Index(str(tmp_path), 1 << 20, False)
+    index.commit(puts=[(b"a" * 32, record.pack()), (b"b" * 32, record.pack())])
+    # a's touch is newer; b's names another slot; c's key was deleted: only a's record changes
+    index.commit(touches=[(b"a" * 32, 7, 300), (b"b" * 32, 9, 300), (b"c" * 32, 7, 300)])
+    stored = dict(index.items())
+    assert IndexRecord.unpack(stored[b"a" * 32]).last_access_ns == 300
+    assert stored[b"b" * 32] == record.pack()
+    assert b"c" * 32 not in stored
+    index.close()

@@ -227,6 +227,18 @@ class IndexRecord:
         return _RECORD.pack(self.version, 0, self.length, self.slot, self.checksum, self.last_access_ns)
 
     @staticmethod
+    def touched(value: bytes, slot: int, access_ns: int) -> bytes | None:
+        """The record `value` with its access time moved up to access_ns, or None where it is not `slot`'s or
+        already as recent (one struct unpack and pack: the index rewrites thousands of these per flush of access
+        times); raises ValueError if it has the wrong size."""
+        if len(value) != RECORD_BYTES:
+            raise ValueError(f"record is {len(value)} bytes, expected {RECORD_BYTES}")
+        version, pad, length, stored_slot, digest, access = _RECORD.unpack(value)
+        if stored_slot != slot or access_ns <= access:
+            return None
+        return _RECORD.pack(version, pad, length, stored_slot, digest, access_ns)
+
+    @staticmethod
     def unpack(value: bytes) -> IndexRecord:
         """Parse a record; raises ValueError if it has the wrong size."""
         if len(value) != RECORD_BYTES:

@@ -6,7 +6,6 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import replace
 
 import lmdb
 
@@ -56,11 +55,9 @@ class L3Index:
                 txn.put(key, value)
             for key, slot, access_ns in touches:
                 stored = txn.get(key)
-                if stored is None:
-                    continue
-                record = IndexRecord.unpack(stored)
-                if record.slot == slot and access_ns > record.last_access_ns:
-                    txn.put(key, replace(record, last_access_ns=access_ns).pack())
+                touched = None if stored is None else IndexRecord.touched(stored, slot, access_ns)
+                if touched is not None:
+                    txn.put(key, touched)
 
     def clear(self) -> None:
         """Delete every entry (durably)."""
