@@ -14,6 +14,7 @@ import torch
 from hicache.cache import namespace_fields
 from hicache.config import Config
 from hicache.engine.kernels import fused as fused_ops
+from hicache.engine.kernels import prefill
 from hicache.engine.kernels.prefill import PrefixKernelUnavailable, paged_prefix_attention
 from hicache.engine.model import ForwardBatch
 from tiers import KVLayout
@@ -123,7 +124,8 @@ def warm_up_key_splits(model: Any, layer: torch.Tensor, table: torch.Tensor, pag
     c = model.config
     q = torch.zeros(page_size, c.num_heads, c.head_dim, dtype=model.dtype, device=layer.device)
     ran = 0
-    for splits in (2, 4, 8, 16, 32):  # every SPLITS_PAD up to SPLIT_MAX; more splits than keys is fine
+    # each merge variant (a power of two of splits, up to SPLIT_MAX); more splits than keys is fine
+    for splits in (1 << k for k in range(1, prefill.SPLIT_MAX.bit_length())):
         try:
             paged_prefix_attention(q, layer[0], layer[1], table, 2 * page_size, num_splits=splits)
         except PrefixKernelUnavailable:

@@ -111,7 +111,7 @@ if triton is not None:
         tl.store(mid_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
 
     # num_splits is not specialised on: the prefix kernel's merge (kernels/prefill.py) passes many values, each
-    # padded to a power of two (SPLITS_PAD), so that a few variants serve them all
+    # padded to a power of two (SPLITS_PAD), so that a few variants serve them all (`merge_splits`)
     @triton.jit(do_not_specialize=["stride_ob", "stride_lb", "stride_outb", "num_splits"])
     def _decode_merge_kernel(
         mid_o_ptr, mid_lse_ptr, out_ptr,
@@ -178,12 +178,21 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
-    _decode_merge_kernel[(batch, num_heads)](
+    return merge_splits(mid_o, mid_lse, out)
+
+
+def merge_splits(mid_o: Tensor, mid_lse: Tensor, out: Tensor) -> Tensor:
+    """Add split attention's shares into `out`, each row and head by the splits' log-sum-exp (base 2): mid_o [rows,
+    heads, splits, head_dim] float32, each share normalised; mid_lse [rows, heads, splits], -inf for a share that saw
+    no key; out [rows, heads, head_dim], head_dim contiguous. Decoding's splits and the prefix kernel's
+    (kernels/prefill.py) both end here."""
+    rows, heads, splits, head_dim = mid_o.shape
+    _decode_merge_kernel[(rows, heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        num_splits, HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        splits, HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
         num_warps=4,
     )
     return out

@@ -5,7 +5,7 @@ the paged pool into a contiguous copy, then runs flash attention with a bottom-r
 the page table instead: one program per (block of new tokens, query head or whole GQA group), a block of keys
 gathered through the page table per step of an online softmax, the causal mask applied only on the steps that reach
 the block's own positions. Few new tokens over a long prefix make few such programs; their keys are then split among
-several programs, and decode's merge kernel adds the shares by their log-sum-exp (`prefix_splits_for`).
+several programs, and decoding's merge adds the shares by their log-sum-exp (`prefix_splits_for`).
 
 On by default (`model.prefill_attention: triton`): on the H200, over thousands of cached tokens, both its TMA
 launch shape (Hopper, 64-token pages) and the plain one take well under the gather + SDPA path's time
@@ -293,7 +293,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_l
                          "contiguous")
     grid = (triton.cdiv(n_new, config.block_m // heads_per_block), num_heads // heads_per_block)
     splits = num_splits or prefix_splits_for(n_new, seq_len, grid[0] * grid[1], config.block_n, q.device)
-    if splits > 1:  # each split's normalised share and log-sum-exp, merged below by decode's merge kernel
+    if splits > 1:  # each split's normalised share and log-sum-exp, added up below (`decode.merge_splits`)
         mid_o = torch.empty(n_new, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(n_new, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
@@ -319,15 +319,7 @@ def _launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, page_table: Tensor, seq_l
                        "cached prefix use the next default shape, or SDPA after the last", config, q.device, q.dtype,
                        why)
         raise PrefixKernelUnavailable(why) from e
-    if splits > 1:
-        decode._decode_merge_kernel[(n_new, num_heads)](
-            mid_o, mid_lse, out,
-            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-            mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1),
-            splits, HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
-        )
-    return out
+    return decode.merge_splits(mid_o, mid_lse, out) if splits > 1 else out
 
 
 def _page_descriptor(pool: Tensor, config: PrefixKernelConfig) -> object:
