@@ -5,6 +5,7 @@
     Writes    write policies as strategies              (Eviction)
     Loads     plans, copies, tickets, disk reads        (Eviction, cost model)
     Prefetch  reads for queued requests                 (Loads, Writes)
+    Staging   GPU copies for queued requests            (Loads)
     Commits   a request's GPU pages into the tree       (Eviction, Writes)
 
 The tree holds where pages live; the controller's `Transfers` table holds what is moving them. A
@@ -36,6 +37,7 @@ from controller.policy import WritePolicy
 from controller.ports import L3, NO_HOST, NO_L3, NO_WORKER, Copier, HostTier, InstantCopier, Pool, Worker
 from controller.prefetch import Prefetcher
 from controller.reuse import ReuseFilter, reuse_memory
+from controller.staging import Staging
 from controller.stats import CacheStats
 from controller.ticket import LoadTicket, PrefetchHold
 from controller.transfers import Transfers
@@ -70,6 +72,7 @@ class TierController:
         launch_later: bool = False,
         prefetch_host_share: float = 0.5,
         prefetch_queue_s: float = 0.0,
+        stage: bool = True,
     ):
         if l3 is not None and host is None:
             raise ValueError("the disk tier needs a host tier: pages reach L3 through host memory")
@@ -101,6 +104,7 @@ class TierController:
                            staging_share=prefetch_host_share)
         self.prefetcher = Prefetcher(self.loads, tree, self.match, self.writes.hit, lambda: self.host_room_version,
                                      prefetch_queue_s)
+        self.staging = Staging(self.loads, tree, self.match, self.stats, stage)
         self.commits = Commits(tree, device, self.eviction, self.writes)
         # counts the events that can give host memory back to a prefetch (a ticket or hold released, I/O applied):
         # a hold that stopped short is not asked again until one has happened (see `prefetch`)
@@ -305,16 +309,6 @@ class TierController:
     def close(self) -> None:
         """Start the deferred backups (and so their L3 write-through, as far as the L3 queue takes them),
         finish queued L3 writes and apply them."""
-        if self.writes.deferred:
-            self.writes.flush_backups()
-        self.worker.wait_idle()
-        self.poll()
-        while self.writes.waiting_disk:  # writes waiting for queue room: each round, the empty queue takes more
-            waiting = self.writes.waiting_disk_pages
-            self.worker.wait_idle()
-            self.poll()
-            if self.writes.waiting_disk_pages >= waiting:  # no progress (the worker refuses): they are lost
-                self.writes.drop_waiting()
-                break
+        self.writes.finish(self.poll)
         self.eviction.reap_host_frees(wait=True)
         self.worker.close()

@@ -103,9 +103,11 @@ class Loads:
         k, s, ps = plan.k, plan.s, self.page_size
         nodes = self._split_at(self._split_at(self._cut(usable, plan.n), k), s)
         nodes = [part for node in nodes for part in (self.read_chunks(node) if self._reads_from_disk(node) else [node])]
-        # where the bytes come from: prefetched pages count as disk hits
-        tiers = [DEVICE if n.on_device else HOST if n.on_host and not self.transfers.prefetched(n) else DISK
-                 for n in nodes]
+        # where the bytes come from: prefetched pages count as disk hits, staged ones (controller/staging.py) as the
+        # tier they were copied from
+        staged = self.transfers.staged
+        tiers = [staged.get(n, DEVICE) if n.on_device else HOST if n.on_host and not self.transfers.prefetched(n)
+                 else DISK for n in nodes]
         base = m.base if m.base is not None else self.tree.root
         ticket = LoadTicket(self.transfers, nodes[-1] if nodes else base, m.num_pages,
                             gap=(k, s) if k < s else None)
@@ -131,7 +133,7 @@ class Loads:
                 break
         if spare:
             self.device.free(spare)  # a load stopped early (no host room for a disk read): its pages go back
-        self._start_copies(copies)
+        self.start_copies(copies)
         disk_keys: list[bytes] = []
         for i, tier in enumerate(tiers[: len(nodes)]):
             pos, end = starts[i], starts[i + 1]
@@ -147,6 +149,9 @@ class Loads:
                 del ticket.hit_pages[DISK]
         for tier, pages in ticket.hit_pages.items():
             self.stats.hit_tokens[tier] += pages * ps
+        if staged:
+            for node in ticket.nodes:  # served: later hits on these pages are GPU hits
+                staged.pop(node, None)
         return ticket
 
     def _count_recomputed(self, runs: list[tuple[str, int]], start: int, end: int) -> None:
@@ -223,7 +228,7 @@ class Loads:
     def _load_node(self, node: TreeNode, copies: list[TreeNode], spare: list[int], others_reading: bool) -> bool:
         """Give a locked node GPU pages and start bringing its data there; False (counted) if no room.
 
-        Nodes to copy from host are appended to `copies` for `_start_copies` (one copier call per prefix).
+        Nodes to copy from host are appended to `copies` for `start_copies` (one copier call per prefix).
         The GPU pages come from the front of `spare` (taken from it) while it has enough, else are allocated. A disk
         read is refused past the staging share only when `others_reading` (other tickets' reads are in flight).
         """
@@ -279,7 +284,7 @@ class Loads:
         self.transfers.loading[node.id] = node
         self.worker.submit_read(node, node.disk_keys, page_buffers(self.host, load.host_pages))
 
-    def _start_copies(self, nodes: list[TreeNode]) -> None:
+    def start_copies(self, nodes: list[TreeNode]) -> None:
         """Copy these nodes' host pages into their (just assigned) GPU pages in one copier call, one transfer
         for all: per-call costs (index uploads, stream waits, Python) are paid once per prefix, not per node."""
         if not nodes:

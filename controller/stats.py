@@ -29,6 +29,7 @@ class CacheStats:
     drops: Counter[str] = field(default_factory=Counter)  # reason -> pages not backed up / not loaded
     load_failures: int = 0  # L3 reads that missed or failed verification
     prefetched_pages: int = 0  # L3 -> host reads started for queued requests
+    staged_pages: int = 0  # host -> GPU copies started for queued requests (controller/staging.py)
     gave_up_reads: int = 0  # requests that stopped waiting for disk reads at their deadline and computed instead
     deferred_pages: int = 0  # new GPU pages whose write-through copy to host waited for memory pressure or idle
     eviction_backups: int = 0  # GPU pages copied to host as they were evicted (compute waits for those copies)
@@ -58,6 +59,7 @@ class CacheStats:
             "drops": dict(self.drops),
             "load_failures": self.load_failures,
             "prefetched_pages": self.prefetched_pages,
+            "staged_pages": self.staged_pages,
             "gave_up_reads": self.gave_up_reads,
             "deferred_pages": self.deferred_pages,
             "eviction_backups": self.eviction_backups,

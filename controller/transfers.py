@@ -7,7 +7,9 @@ L3 read or write is queued, GPU pages whose backup copy may still be reading the
 data proved bad and are removed once nobody holds them.
 
 A split node's transfer belongs to both parts (the tree calls `_split`). A finished copy carries no
-information, so `ready` drops it; the markers stay until the node is loaded again or removed.
+information, so `ready` drops it; the markers stay until the node is loaded again or removed. `staged` names the
+nodes copied to the GPU for a queued request (controller/staging.py) and not used since: a request that finds
+them on the GPU was served them from host memory.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class Transfers:
         # node id -> the read of a node the tree removed while it was in flight (an ancestor's last copy left): the
         # read still writes into its host pages, which go back when it completes (Loads.apply)
         self.orphan_reads: dict[int, DiskLoad] = {}
+        # nodes staged on the GPU for a queued request (controller/staging.py), until a ticket uses them or their GPU
+        # pages go (`clear`): the tier their hits count in (host, or disk for a copy prefetched from L3)
+        self.staged: dict[TreeNode, str] = {}
         tree.split_listeners.append(self._split)
 
     def get(self, node: TreeNode) -> Any:
@@ -134,6 +139,7 @@ class Transfers:
 
     def clear(self, node: TreeNode) -> None:
         self._of.pop(node, None)
+        self.staged.pop(node, None)
 
     def disk_load(self, node: TreeNode) -> DiskLoad | None:
         t = self._of.get(node)
@@ -199,6 +205,7 @@ class Transfers:
     def forget(self, node: TreeNode) -> None:
         """Drop a removed node's entries (a read in flight is kept aside until it completes: `orphan_reads`)."""
         transfer = self._of.pop(node, None)
+        self.staged.pop(node, None)
         if node.id in self.loading and isinstance(transfer, DiskLoad):
             self.orphan_reads[node.id] = transfer
         self.invalid.pop(node.id, None)
@@ -211,3 +218,5 @@ class Transfers:
         t = self._of.get(lower)
         if t is not None:
             self._of[upper] = t
+        if lower in self.staged:
+            self.staged[upper] = self.staged[lower]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from controller.backups import HostBackups
 from controller.eviction import Eviction
@@ -283,6 +283,21 @@ class Writes(HostBackups):
                     queued += part.num_pages
             self.waiting_disk.popleft()
         return queued
+
+    def finish(self, poll: Callable[[], None]) -> None:
+        """Shutdown: start the deferred backups (and so their L3 write-through, as far as the L3 queue takes them)
+        and finish every queued L3 write; `poll` applies finished I/O (TierController.poll)."""
+        if self.deferred:
+            self.flush_backups()
+        self.worker.wait_idle()
+        poll()
+        while self.waiting_disk:  # writes waiting for queue room: each round, the empty queue takes more
+            waiting = self.waiting_disk_pages
+            self.worker.wait_idle()
+            poll()
+            if self.waiting_disk_pages >= waiting:  # no progress (the worker refuses): they are lost
+                self.drop_waiting()
+                break
 
     def drop_waiting(self) -> None:
         """Give up the waiting writes (shutdown, the queue making no progress), counted as l3_queue_full."""

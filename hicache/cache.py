@@ -230,6 +230,7 @@ def build_cache(
         prefetch=cfg.cache.load_policy.prefetch,
         prefetch_host_share=cfg.cache.load_policy.prefetch_host_share,
         prefetch_queue_s=cfg.cache.load_policy.prefetch_queue_s,
+        stage=cfg.cache.load_policy.stage,
         launch_later=sched.launch_loads_after_forward or sched.admit_during_forward,
     )
     if controller.launch_later:

@@ -121,6 +121,9 @@ class LoadPolicyConfig:
     layered: bool = True
     # read a queued request's disk-only prefix pages into host memory while it waits (L3 on)
     prefetch: bool = True
+    # copy a queued request's host-resident prefix onto the GPU pages the admitted requests do not need, so that
+    # at admission it is there (controller/staging.py)
+    stage: bool = True
     # disk reads in flight and prefetched pages held take at most this share of the host pool
     prefetch_host_share: float = 0.5
     # prefetch keeps at most this many seconds of reads queued on the disk (by its measured bandwidth), adding more

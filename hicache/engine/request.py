@@ -88,6 +88,10 @@ class Request:
     prefetched: bool = False  # its disk-only prefix pages were sent towards host memory while it queued
     prefetched_at: float = 0.0  # when its prefix was last matched for prefetch (Scheduler clock)
     prefetch_hold: Any = None  # the controller's PrefetchHold while it queues (released on admission)
+    stage: Any = None  # queued: a LoadTicket locking its prefix pages staged on the GPU (engine/waiting.py)
+    stage_pages: int = 0  # GPU pages that stage locks
+    stage_share: int = 0  # the GPU pages its share was when it last asked to stage
+    staged_at: float = float("-inf")  # when it last asked (Scheduler clock)
     awaiting_loads: bool = False  # its committed pages were deduplicated onto pages still loading: not planned
     load_deadline: float = float("inf")  # while LOADING: when it stops waiting for disk reads (Scheduler.settle)
     needs_stream_wait: bool = False

@@ -3,8 +3,9 @@
 Each step the scheduler (1) applies finished I/O (`poll`) and moves requests whose cached prefix has
 reached the GPU from LOADING to RUNNING, (2) admits waiting requests while the running requests' prefill
 backlog is below one step's token budget (one LOADING for its prefix has nothing the GPU can compute yet), and
-starts L3 -> host prefetches for those still waiting (their disk pages travel while others compute, so at
-admission they load from host), and (3) plans the step: one token
+has the cache act for those still waiting (hicache/engine/waiting.py): L3 -> host prefetches of their disk pages
+and host -> GPU copies of their host pages into the GPU pages the admitted requests do not need, so that at
+admission their prefix is there, and (3) plans the step: one token
 for every decoding request, then prefill chunks (oldest first) within `chunk_tokens`, taking no further
 request once the step holds `batch_tokens` prefill tokens. New KV goes into
 private pages from `alloc_device`; when none are left the most recently admitted request is preempted
@@ -34,6 +35,7 @@ from typing import Any
 
 from controller import LoadTicket, TierController
 from hicache.engine.request import Request, Status
+from hicache.engine.waiting import WaitingQueue
 from radix import DEVICE
 
 logger = logging.getLogger(__name__)
@@ -43,13 +45,6 @@ DECODE_RESERVE_TOKENS = 256  # decode room counted at admission (longer outputs 
 # with nothing else running, a request waits for its disk reads at most their estimated landing plus this share of
 # the time recomputing them would take (see _wait_for_loads)
 IDLE_WAIT_SLACK = 0.25
-# a queued request's prefix is matched again this often for prefetch: pages that were in host memory when it
-# arrived (nothing to read then) may have left for the disk while it waits
-PREFETCH_RECHECK_S = 0.25
-# only the next requests to be admitted, at most this many, ask again: those further back ask once they come near
-# (a queue of thousands would otherwise cost a prefix match per request every PREFETCH_RECHECK_S)
-PREFETCH_RECHECK_FRONT = 8
-
 
 class Scheduler:
     """Owns the request queues and every page a request holds; see the module doc."""
@@ -67,22 +62,21 @@ class Scheduler:
         self.max_running = max_running
         self.chunk_tokens = chunk_tokens
         self.batch_tokens = batch_tokens or chunk_tokens
-        self.waiting: list[Request] = []  # by arrival; preempted requests go back to their place
+        # by arrival (preempted requests go back to their place), with what the cache does for them meanwhile
+        self.waiting = WaitingQueue(controller, self._pages_needed, self._release, max_running, lambda: self.clock())
         self.loading: list[Request] = []
         self.running: list[Request] = []  # by admission order
         self.draining: list[LoadTicket] = []  # tickets given up while loading: released once their loads settle
         self._admissions = itertools.count()
         self._starved = False  # ran out of GPU pages: admit nothing new until a request leaves
         self.preemptions = 0
-        self._fresh = 0  # waiting requests that have not asked for a prefetch yet
         self.clock = time.monotonic  # deadlines for disk reads (replaceable in tests)
 
     # ------------------------------------------------------------------ queues
 
     def add(self, req: Request) -> None:
         """Queue a new request."""
-        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
-        self._fresh += not req.prefetched
+        self.waiting.add(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.loading or self.running or self.draining)
@@ -91,8 +85,6 @@ class Scheduler:
         """Take a request out of the scheduler (finish or abort), committing and freeing its pages."""
         if req.status is Status.WAITING:
             self.waiting.remove(req)
-            self._fresh -= not req.prefetched
-            self._release_prefetch(req)
         elif req.status is Status.LOADING:
             self.loading.remove(req)
             self._release(req.ticket)
@@ -120,7 +112,7 @@ class Scheduler:
         """Admit and plan this step (inside `step`, which applied finished I/O first)."""
         self.settle()
         self._admit()
-        self._prefetch()
+        self._for_the_queue()
         return self._plan()
 
     def before_forward(self, plan: Sequence[tuple[Request, int]]) -> list[Any]:
@@ -151,7 +143,7 @@ class Scheduler:
         self.ctrl.poll()
         self.settle()
         self._admit(sum(min(n, len(r.token_ids) - r.computed - 1) for r, n in plan))  # decodes: 0
-        self._prefetch()
+        self._for_the_queue()
 
     def advance(self, plan: Sequence[tuple[Request, int]]) -> None:
         """After the forward: the planned tokens' KV is in the pages; commit the pages that filled."""
@@ -260,51 +252,23 @@ class Scheduler:
         while self.waiting and len(self.running) + len(self.loading) < self.max_running:
             if backlog >= self.chunk_tokens or (self._starved and (self.running or self.loading)):
                 break
-            need = self._pages_needed(self.waiting[0])
+            need = self._pages_needed(self.waiting.front)
             if (self.running or self.loading) and reserved + need > capacity:
                 break  # wait for pages rather than thrash; a request alone is always admitted
-            req = self.waiting.pop(0)
-            self._fresh -= not req.prefetched
+            self.waiting.unstage_from_back(capacity - reserved - need)  # stages behind it leave it its pages
+            req = self.waiting.pop()
             req.admitted_seq = next(self._admissions)
             self._acquire(req)
             backlog += len(req.token_ids) - req.computed - 1
             reserved += need
 
-    def _prefetch(self) -> None:
-        """Send queued requests' disk-only prefix pages towards host memory, front of the queue first.
-
-        A request asks once when it first waits. One whose prefetch stopped for lack of host room
-        (cache.load_policy.prefetch_host_share) asks again on later steps, going on where it stopped, and the requests
-        behind it wait their turn: room that admissions free goes to the next request to be admitted, not to whoever
-        arrives next. The next PREFETCH_RECHECK_FRONT requests to be admitted also ask again every PREFETCH_RECHECK_S:
-        their pages that were in memory when they arrived may have gone to disk since. Those further back ask again
-        once they come near the front, so a long queue costs a step a match per request that is new or near
-        admission, not a match per request queued.
-        """
-        if not self.ctrl.loads.prefetch_enabled:
-            return
-        now = self.clock()
-        front = min(self.max_running, PREFETCH_RECHECK_FRONT)
-        for i, req in enumerate(self.waiting):
-            hold = req.prefetch_hold
-            if req.prefetched and (hold is None or not hold.short):
-                if i >= front and self._fresh == 0:
-                    break  # every request behind has asked, and none is near admission
-                if i >= front or now - req.prefetched_at < PREFETCH_RECHECK_S:
-                    continue
-            if not req.prefetched:
-                req.prefetched = True
-                self._fresh -= 1
-            req.prefetched_at = now
-            limit = (len(req.token_ids) - 1) // self.page_size
-            req.prefetch_hold = self.ctrl.prefetch(req.token_ids, max_pages=limit, hold=hold, namespace=req.namespace)
-            if req.prefetch_hold.short:
-                break  # no room left: the requests behind it would find none either
-
-    def _release_prefetch(self, req: Request) -> None:
-        if req.prefetch_hold is not None:
-            self.ctrl.release_prefetch(req.prefetch_hold)
-            req.prefetch_hold = None
+    def _for_the_queue(self) -> None:
+        """Prefetch and stage for the requests still waiting (hicache/engine/waiting.py): they may stage in the GPU
+        pages the admitted requests do not need."""
+        self.waiting.prefetch()
+        if self.waiting:
+            admitted = self.running + self.loading
+            self.waiting.stage(self.ctrl.device.capacity_pages - sum(self._pages_needed(r) for r in admitted))
 
     def _acquire(self, req: Request, replaces: LoadTicket | None = None) -> None:
         """Claim the cached prefix (at least one token is left to compute, for the logits); `replaces`: the
@@ -313,7 +277,7 @@ class Scheduler:
         ticket = self.ctrl.acquire(req.token_ids, max_pages=(len(req.token_ids) - 1) // ps, overlap=True,
                                    replaces=replaces, namespace=req.namespace, busy=bool(self.running))
         req.ticket = ticket
-        self._release_prefetch(req)  # the ticket holds what it uses now
+        self.waiting.release_holds(req)  # the ticket holds what its prefetch and stage held
         req.pages = ticket.prefix_pages()  # the gap's pages come from alloc_device as it is computed
         req.committed_pages = len(req.pages)
         req.computed = req.committed_pages * ps  # tokens [0, computed) are cached
@@ -448,6 +412,8 @@ class Scheduler:
             if pages is not None:
                 req.pages.extend(pages)
                 return True
+            if self.waiting.unstage_all():
+                continue  # queued requests' stages come second to running requests' pages
             self._starved = True
             newest = self.running[-1]
             if newest is req:
@@ -468,8 +434,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.preemptions += 1
         self.preemptions += 1
-        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
-        self._fresh += not req.prefetched
+        self.waiting.add(req)
 
     def _commit(self, req: Request) -> None:
         """Insert req's newly filled pages into the tree; adopt the canonical page ids it returns.

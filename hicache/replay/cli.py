@@ -240,7 +240,7 @@ def time_setup(args: argparse.Namespace, cfg: Any, block_tokens: int, calibratio
         disk_shared=not (l3.read_limit_gbps or l3.write_limit_gbps),
         max_running=sc.max_running_requests, chunk_tokens=sc.chunk_tokens, batch_tokens=sc.prefill_batch_tokens,
         admit_during_forward=sc.admit_during_forward, overlap=lp.overlap, layered=lp.layered, prefetch=lp.prefetch,
-        prefetch_host_share=lp.prefetch_host_share, prefetch_queue_s=lp.prefetch_queue_s,
+        prefetch_host_share=lp.prefetch_host_share, prefetch_queue_s=lp.prefetch_queue_s, stage=lp.stage,
         l3_queue_pages=max(1, cfg.cache.l3.queue_pages * page // block_tokens),
         max_context_tokens=min(limits) if limits else None,
     ), tuple(assumed)

@@ -32,7 +32,8 @@ from typing import Any
 from controller import CostModel, TierController
 from hicache.engine.params import SamplingParams
 from hicache.engine.request import Request, Status
-from hicache.engine.scheduler import PREFETCH_RECHECK_S, Scheduler
+from hicache.engine.scheduler import Scheduler
+from hicache.engine.waiting import PREFETCH_RECHECK_S
 from hicache.replay.agent import AgentSession
 from hicache.replay.core import ReplayError, ReplaySetup, ReplayTotals
 from hicache.replay.store import ReplayL3
@@ -63,6 +64,7 @@ class TimeSetup:
     prefetch: bool = True
     prefetch_host_share: float = 0.5
     prefetch_queue_s: float = 0.25
+    stage: bool = True  # queued requests' host pages are copied onto free GPU pages (cache.load_policy.stage)
     l3_queue_pages: int = 4096
     max_context_tokens: int | None = None  # the server's context limit besides the GPU tier (model, config)
 
@@ -165,7 +167,8 @@ class TimedReplay:
                          adaptive=False, overlap=t.overlap, host_streams=t.layered)
         self.ctrl = TierController(tree, device, host, self.store, self.copier, setup.write_policy, cost, self.worker,
                                    setup.disk_blocks or None, prefetch=t.prefetch,
-                                   prefetch_host_share=t.prefetch_host_share, prefetch_queue_s=t.prefetch_queue_s)
+                                   prefetch_host_share=t.prefetch_host_share, prefetch_queue_s=t.prefetch_queue_s,
+                                   stage=t.stage)
         self.ctrl.loads.clock = clock
         self.sched = BlockScheduler(self.ctrl, bt, t)
         self.sched.clock = clock
@@ -279,7 +282,7 @@ class TimedReplay:
             return plan, 1
         # I/O that ends meanwhile changes nothing the plan reads (nothing is loading): applied after, as a step's is
         event = self.arrivals[0][0] if self.arrivals else None
-        if sched.waiting:  # the front of the queue rechecks its prefetches this often (Scheduler._prefetch)
+        if sched.waiting:  # the front of the queue rechecks its prefetches this often (WaitingQueue.prefetch)
             recheck = self.clock.now + PREFETCH_RECHECK_S
             event = recheck if event is None else min(event, recheck)
         if event is not None:  # step j (0-based) starts after j chunks: the last merged one must start before it

@@ -39,6 +39,8 @@ CACHE_COUNTERS = (
     ("hicache_prompt_tokens", "Prompt tokens matched against the cache (per admission)", "prompt_tokens"),
     ("hicache_l3_load_failures", "L3 reads that missed or failed verification", "load_failures"),
     ("hicache_l3_prefetched_pages", "L3 -> host reads started for queued requests", "prefetched_pages"),
+    ("hicache_staged_pages", "Host -> GPU copies started for queued requests, before their admission",
+     "staged_pages"),
     ("hicache_l3_gave_up_reads", "Requests that stopped waiting for disk reads at their deadline (as long as "
      "recomputing would take) and computed those pages instead", "gave_up_reads"),
     ("hicache_deferred_backup_pages", "New GPU pages whose write-through copy to host waited for memory pressure "

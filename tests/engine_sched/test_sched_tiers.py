@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from sched_helpers import make_engine, run_all, settle_l3
+from sched_helpers import assert_no_leaks, make_engine, run_all, settle_l3
 
 from hicache.engine.model import ForwardBatch
 from hicache.engine.params import SamplingParams
@@ -430,3 +430,38 @@ def test_a_failed_step_ends_its_requests_and_launches_the_held_loads(sharp, base
     closer.join(timeout=30)
     assert not closer.is_alive(), "close() waited forever"
     assert engine.cache.controller.copier.held == 0 and not engine.scheduler.draining
+
+
+@pytest.mark.parametrize("stage", [True, False])
+def test_a_queued_prefix_is_staged_on_the_gpu_behind_a_running_request(sharp, baseline, stage):
+    """A, on host only, queues behind a long request whose pages leave too few for A's: A's first pages are copied
+    into the free ones while it waits (cache.load_policy.stage), the rest at admission. Its hits stay host hits, its
+    output is unchanged, and nothing is left locked; with staging off nothing is copied before admission."""
+    engine = make_engine(sharp, cache__page_size=PAGE, cache__device__size_tokens=16 * PAGE,
+                         cache__host__size_tokens=4096, cache__load_policy__mode="always",
+                         cache__load_policy__stage=stage)
+    tok = engine.tokenizer
+    generate(engine, [A])
+    for other in OTHERS[1:4]:
+        generate(engine, [other])  # A's pages leave the GPU; their host copies stay
+    ctrl = engine.cache.controller
+    a = tok.encode(A)
+    full = len(a) // PAGE
+    assert ctrl.match(a, reference=False).segments[0][1] == "host"
+    long = tok.encode((OTHERS[0] * 2)[: 8 * PAGE])
+    engine.add_request("long", long, SamplingParams(temperature=0.0, max_tokens=3 * PAGE, ignore_eos=True))
+    engine.step()  # admitted: it needs 11 of the 16 pages until it ends (8 of prompt, 3 of answer)
+    engine.add_request("a", a, GREEDY)  # needs 7 pages: it waits, with 5 free
+    engine.step()
+    queued = engine.requests["a"]
+    assert queued.status is Status.WAITING
+    assert (queued.stage_pages, ctrl.stats.staged_pages) == ((5, 5) if stage else (0, 0))
+    if stage:
+        assert ctrl.match(a, reference=False).segments[0][1] == "device"
+    results = run_all(engine)
+    assert results["a"][0] == baseline[0]
+    assert results["a"][2].usage.cached_tokens["host"] == full * PAGE
+    assert results["a"][2].usage.cached_tokens["device"] == 0
+    assert ctrl.stats.staged_pages == (5 if stage else 0)
+    assert_no_leaks(engine)
+    engine.close()
