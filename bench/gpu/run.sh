@@ -329,7 +329,8 @@ agent() {
     # ARM is a base, then modifiers: _7b (random:qwen2.5-7b), _rN (the L3 capped at N GB/s each way), _writeall
     # (every page admitted to the L3: cache.write_policy.l3_admit=all), _never (--load-mode never), _onecut
     # (--no-load-overlap), _noprefetch (cache.load_policy.prefetch=false), _nostage (cache.load_policy.stage=false),
-    # _adf (scheduler.admit_during_forward=true), _prof (the engine thread under cProfile: ARM.pstats; slower, for where its time goes, not for timings)
+    # _adf (scheduler.admit_during_forward=true), _prof (the engine thread under cProfile: ARM.pstats; slower, for
+    # where its time goes, not for timings)
     base=
     for m in gpu_only host48 host12_l3disk host12_l3shm host12_remote host12; do
       [[ $arm == "$m"* ]] && { base=$m; break; }
