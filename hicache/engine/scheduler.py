@@ -3,11 +3,11 @@
 Each step the scheduler (1) applies finished I/O (`poll`) and moves requests whose cached prefix has
 reached the GPU from LOADING to RUNNING, (2) admits waiting requests while the running requests' prefill
 backlog is below one step's token budget (one LOADING for its prefix has nothing the GPU can compute yet), and
-has the cache act for those still waiting (hicache/engine/waiting.py): L3 -> host prefetches of their disk pages
-and host -> GPU copies of their host pages into the GPU pages the admitted requests do not need, so that at
-admission their prefix is there, and (3) plans the step: one token
+starts L3 -> host prefetches of the disk pages of those still waiting, and (3) plans the step: one token
 for every decoding request, then prefill chunks (oldest first) within `chunk_tokens`, taking no further
-request once the step holds `batch_tokens` prefill tokens. New KV goes into
+request once the step holds `batch_tokens` prefill tokens. Once the step's forward is queued, the host pages of
+the waiting requests' prefixes are copied into the GPU pages the admitted requests do not need (staging), so that
+at admission their prefix is there (hicache/engine/waiting.py). New KV goes into
 private pages from `alloc_device`; when none are left the most recently admitted request is preempted
 (its full pages committed, so its prefix stays cached and a re-admission hits it). Full pages are
 committed as soon as they are computed. With `admit_ahead` (scheduler.admit_during_forward) steps (1)-(2) also
@@ -112,7 +112,7 @@ class Scheduler:
         """Admit and plan this step (inside `step`, which applied finished I/O first)."""
         self.settle()
         self._admit()
-        self._for_the_queue()
+        self.waiting.prefetch()
         return self._plan()
 
     def before_forward(self, plan: Sequence[tuple[Request, int]]) -> list[Any]:
@@ -124,15 +124,18 @@ class Scheduler:
             if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream
                 waits.update((id(h), h) for h in self.ctrl.load_waits(req.ticket))
                 req.needs_stream_wait = False
-        if self.admit_during_forward:
-            self.ctrl.fence_forward()
+        if self.admit_during_forward or self.waiting:
+            self.ctrl.fence_forward()  # what is asked for during the forward does not wait for it (after_forward)
         return list(waits.values())
 
     def after_forward(self, plan: Sequence[tuple[Request, int]]) -> None:
-        """The plan's forward is queued: admit for the next step while it runs (admit_during_forward), then start
-        the loads held while scheduling, behind the forward."""
+        """The plan's forward is queued: admit for the next step while it runs (admit_during_forward), stage the
+        queue's prefixes on the GPU, then start the loads held while scheduling and those copies. Staging here keeps
+        its engine-thread work (matches, evictions, issuing copies) off the GPU's critical path: an admission that
+        empties the step (its request waits for its load) is followed at once by the forward that reads it."""
         if self.admit_during_forward:
             self.admit_ahead(plan)
+        self._stage()
         self.ctrl.launch_loads()
 
     def admit_ahead(self, plan: Sequence[tuple[Request, int]]) -> None:
@@ -143,7 +146,7 @@ class Scheduler:
         self.ctrl.poll()
         self.settle()
         self._admit(sum(min(n, len(r.token_ids) - r.computed - 1) for r, n in plan))  # decodes: 0
-        self._for_the_queue()
+        self.waiting.prefetch()
 
     def advance(self, plan: Sequence[tuple[Request, int]]) -> None:
         """After the forward: the planned tokens' KV is in the pages; commit the pages that filled."""
@@ -262,10 +265,9 @@ class Scheduler:
             backlog += len(req.token_ids) - req.computed - 1
             reserved += need
 
-    def _for_the_queue(self) -> None:
-        """Prefetch and stage for the requests still waiting (hicache/engine/waiting.py): they may stage in the GPU
-        pages the admitted requests do not need."""
-        self.waiting.prefetch()
+    def _stage(self) -> None:
+        """Stage the waiting requests' prefixes in the GPU pages the admitted requests do not need
+        (hicache/engine/waiting.py)."""
         if self.waiting:
             admitted = self.running + self.loading
             self.waiting.stage(self.ctrl.device.capacity_pages - sum(self._pages_needed(r) for r in admitted))
