@@ -1,4 +1,4 @@
-"""The tier controller: the cache as one small service over five parts with one-way dependencies.
+"""The tier controller: the cache as one small service over its parts, with one-way dependencies.
 
     Lookup    match + L3 probe                          (tree, L3 index)
     Eviction  room per tier, freeing removed nodes      (tree, pools, transfers)
