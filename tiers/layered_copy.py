@@ -124,18 +124,21 @@ class LayerLoader:
         events: list[torch.cuda.Event] = []
         failed = False
         last = self.copy_stream if c.host_alias is not None else self.shuffle_stream  # where each group ends
+        # dma: the chunks and their host page runs are the same for every layer group (the widest group's chunk)
+        chunks = self._chunks(host_pages, group) if c.host_alias is None else []
         try:
-            for first in range(0, self.num_layers, group):
-                end = min(self.num_layers, first + group)
-                if self.fail_at_layer is not None and first <= self.fail_at_layer < end:
-                    raise RuntimeError(f"injected failure issuing layer {self.fail_at_layer}")
-                if c.host_alias is not None:
-                    self._gather_layers(host_index, dev_index, first, end)
-                else:
-                    self._dma_layers(host_pages, dev_index, first, end)
-                landed = torch.cuda.Event()
-                landed.record(last)
-                events.extend([landed] * (end - first))
+            with torch.cuda.stream(self.shuffle_stream):  # the scatters' stream (the copies name theirs)
+                for first in range(0, self.num_layers, group):
+                    end = min(self.num_layers, first + group)
+                    if self.fail_at_layer is not None and first <= self.fail_at_layer < end:
+                        raise RuntimeError(f"injected failure issuing layer {self.fail_at_layer}")
+                    if c.host_alias is not None:
+                        self._gather_layers(host_index, dev_index, first, end)
+                    else:
+                        self._dma_layers(chunks, dev_index, first, end)
+                    landed = torch.cuda.Event()
+                    landed.record(last)
+                    events.extend([landed] * (end - first))
         except Exception:  # noqa: BLE001 - the layers queued so far land; the load is failed, its pages recomputed
             logger.exception("a layered host -> GPU load of %d pages failed at layer %d of %d", len(host_pages),
                              len(events), self.num_layers)
@@ -158,30 +161,39 @@ class LayerLoader:
             pages = c.host_alias[:, first:end].index_select(0, host_index)  # reads host memory over PCIe
             c.device_pool.kv[first:end].index_copy_(2, dev_index, pages.permute(1, 2, 0, 3, 4, 5))
 
-    def _dma_layers(self, host_pages: Sequence[int], dev_index: torch.Tensor, first: int, end: int) -> None:
+    def _chunks(self, host_pages: Sequence[int], group: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """The load cut into (start, stop, runs of consecutive host pages) pieces that one staging buffer holds
+        for a group of `group` layers: computed once per load, not once per layer group (a long prefix's runs
+        cost the engine thread a Python pass over its pages each time)."""
+        width = group * self.layer_bytes
+        chunk = max(1, self.staging[0].numel() * self.staging[0].element_size() // width)
+        return [(start, min(len(host_pages), start + chunk), _runs(host_pages[start : start + chunk], chunk))
+                for start in range(0, len(host_pages), chunk)]
+
+    def _dma_layers(self, chunks: list[tuple[int, int, list[tuple[int, int, int]]]], dev_index: torch.Tensor,
+                    first: int, end: int) -> None:
         """Layers [first, end) of every page: strided copies into staging (copy stream), scatters into the pool
-        (shuffle stream), chunk by chunk through the double-buffered staging buffers."""
+        (the shuffle stream: the caller's current stream), chunk by chunk through the double-buffered staging
+        buffers. Streams are named, not entered, per chunk: a long prefix's load issues thousands of these."""
         c = self.copier
         width = (end - first) * self.layer_bytes  # one page's bytes of these layers
-        chunk = max(1, self.staging[0].numel() * self.staging[0].element_size() // width)  # pages a buffer holds
         host_base = c.host_pool.buffer.data_ptr() + first * self.layer_bytes
         kv = c.device_pool.kv[first:end]
         shape = (end - first, 2, *kv.shape[3:])
-        for start in range(0, len(host_pages), chunk):
-            stop = min(len(host_pages), start + chunk)
+        copy_stream, shuffle_stream = self.copy_stream, self.shuffle_stream
+        handle, page_bytes, to_device = copy_stream.cuda_stream, self.page_bytes, self.runtime.memcpyHostToDevice
+        memcpy_2d = self.runtime.memcpy2DAsync
+        for start, stop, runs in chunks:
             buf = self._turn = (self._turn + 1) % 2
             staging = self.staging[buf]
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(self.staging_free[buf])
-                base = staging.data_ptr()
-                for offset, page, length in _runs(host_pages[start:stop], chunk):
-                    self.runtime.memcpy2DAsync(base + offset * width, width, host_base + page * self.page_bytes,
-                                               self.page_bytes, width, length, self.runtime.memcpyHostToDevice,
-                                               self.copy_stream.cuda_stream)
-                copied = torch.cuda.Event()
-                copied.record(self.copy_stream)
-            with torch.cuda.stream(self.shuffle_stream):
-                self.shuffle_stream.wait_event(copied)
-                staged = staging[: (stop - start) * width // kv.element_size()]
-                kv.index_copy_(2, dev_index[start:stop], staged.view(stop - start, *shape).permute(1, 2, 0, 3, 4, 5))
-                self.staging_free[buf].record(self.shuffle_stream)
+            copy_stream.wait_event(self.staging_free[buf])
+            base = staging.data_ptr()
+            for offset, page, length in runs:
+                memcpy_2d(base + offset * width, width, host_base + page * page_bytes, page_bytes, width, length,
+                          to_device, handle)
+            copied = torch.cuda.Event()
+            copied.record(copy_stream)
+            shuffle_stream.wait_event(copied)
+            staged = staging[: (stop - start) * width // kv.element_size()]
+            kv.index_copy_(2, dev_index[start:stop], staged.view(stop - start, *shape).permute(1, 2, 0, 3, 4, 5))
+            self.staging_free[buf].record(shuffle_stream)

@@ -1,6 +1,7 @@
 """Host -> GPU load throughput of the copier, whole against layer by layer (tiers/layered_copy.py), by layer group
 width: 8B pages (64 tokens, 8 MiB), one load of --pages pages, median of 5 (bench/RESULTS.md, 'A host hit against
-a GPU hit')."""
+a GPU hit'). "issue" is the engine thread's time to queue the load (the call's return): the GPU waits for it when
+nothing else is queued."""
 
 from __future__ import annotations
 
@@ -29,15 +30,18 @@ def main() -> None:
                                  ("layered, 8 layers a group", True, 4)):
         layered_copy.MAX_COPY_CALLS = calls or layered_copy.MAX_COPY_CALLS
         copier = CudaPageCopier(dev, host, layered=layered)
-        times = []
+        times, issues = [], []
         for _ in range(6):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            copier.to_device(pages, pages).wait()
+            transfer = copier.to_device(pages, pages)
+            issues.append(time.perf_counter() - start)
+            transfer.wait()
             times.append(time.perf_counter() - start)
         t = statistics.median(times[1:])
         group = copier.layers.group_layers(1) if copier.layers is not None else 32
-        print(f"{name:28s} group {group:2d}: {t * 1e3:6.1f} ms, {gb / t:5.1f} GB/s", flush=True)
+        print(f"{name:28s} group {group:2d}: {t * 1e3:6.1f} ms, {gb / t:5.1f} GB/s, issue "
+              f"{statistics.median(issues[1:]) * 1e3:5.2f} ms", flush=True)
 
 
 if __name__ == "__main__":
