@@ -2,8 +2,9 @@
 
 `hicache replay` without `--no-time` predicts what a request would wait for its first token, and how long a trace
 takes, with a given set of tiers. It runs the server's own code, `hicache.engine.scheduler.Scheduler` (admission,
-chunked prefill, prefetch of queued requests' disk pages, read deadlines in load mode auto, preemption) over the
-real `TierController`, and gives each thing that takes time its time (hicache/replay/timed.py for the byte movers):
+chunked prefill, prefetch of queued requests' disk pages, staging of their host pages on the GPU, read deadlines in
+load mode auto, preemption) over the real `TierController`, and gives each thing that takes time its time
+(hicache/replay/timed.py for the byte movers):
 - a step's forward: its prefill tokens priced as the server's cost model prices them (tokens / prefill speed plus
   the attention term for each token's position) and the engine thread's own time a step (`step_overhead_s`), plus
   `decode_seq_s` per decoding sequence; a step of decodes only costs `decode_step_s` plus the same per sequence;
