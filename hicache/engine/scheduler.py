@@ -124,7 +124,7 @@ class Scheduler:
             if req.needs_stream_wait:  # its prefix was copied in from host or L3 on the copy stream
                 waits.update((id(h), h) for h in self.ctrl.load_waits(req.ticket))
                 req.needs_stream_wait = False
-        if self.admit_during_forward or self.waiting:
+        if self.admit_during_forward or (self.waiting and self.ctrl.staging.enabled):
             self.ctrl.fence_forward()  # what is asked for during the forward does not wait for it (after_forward)
         return list(waits.values())
 
@@ -268,7 +268,7 @@ class Scheduler:
     def _stage(self) -> None:
         """Stage the waiting requests' prefixes in the GPU pages the admitted requests do not need
         (hicache/engine/waiting.py)."""
-        if self.waiting:
+        if self.waiting and self.ctrl.staging.enabled:
             admitted = self.running + self.loading
             self.waiting.stage(self.ctrl.device.capacity_pages - sum(self._pages_needed(r) for r in admitted))
 
