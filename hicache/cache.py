@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from controller import CostModel, L3Worker, TierController, calibrate
-from hicache.config import Config, ConfigError, ResolvedSizes, resolve_sizes
+from hicache.config import Config, ConfigError
+from hicache.sizes import ResolvedSizes, resolve_sizes
 from radix import RadixTree, namespace_fingerprint
 from tiers import DevicePool, HostPool, KVLayout, make_copier
 

@@ -3,7 +3,8 @@
 import pytest
 
 from hicache.cli import main
-from hicache.config import Config, ConfigError, from_dict, load_config, override, resolve_sizes, set_tier_tokens
+from hicache.config import Config, ConfigError, from_dict, load_config, override, set_tier_tokens
+from hicache.sizes import resolve_sizes
 
 
 def test_defaults_and_shipped_configs_are_valid():

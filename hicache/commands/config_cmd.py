@@ -6,8 +6,9 @@ import argparse
 
 import yaml
 
-from hicache.config import load_config, resolve_sizes, to_dict
+from hicache.config import load_config, to_dict
 from hicache.modelinfo import model_shape, resolve_dtype
+from hicache.sizes import resolve_sizes
 
 
 def register(sub: argparse._SubParsersAction) -> None:

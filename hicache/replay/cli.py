@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from controller import WritePolicy
 from controller.policy import WRITE_POLICIES
 from controller.reuse import ADMIT_MODES
-from hicache.config import ConfigError, TierSize, load_config, override, parse_settings, resolve_sizes
+from hicache.config import ConfigError, TierSize, load_config, override, parse_settings
 from hicache.modelinfo import model_shape, resolve_dtype
 from hicache.replay.agent import is_agent_trace, load_agent_sessions, read_agent_sessions
 from hicache.replay.core import Replayer, ReplayError, ReplaySetup
@@ -22,6 +22,7 @@ from hicache.replay.reuse import ReuseProfile, stack_depths
 from hicache.replay.summary import CostInputs, format_table, summarize, time_summary
 from hicache.replay.sweep import parse_sweep, plot_sweep, run_sweep
 from hicache.replay.trace import TRACE_LOG, Trace, TraceError, read_trace
+from hicache.sizes import resolve_sizes
 from radix import DEVICE, EVICTION_POLICIES, TIERS
 
 if TYPE_CHECKING:

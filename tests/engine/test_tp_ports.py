@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/memory_l3.
 from memory_l3 import MemoryL3  # noqa: E402
 
 from hicache.cache import RankTiers  # noqa: E402
-from hicache.config import ResolvedSizes  # noqa: E402
 from hicache.engine.tp.follower import PlanOps  # noqa: E402
 from hicache.engine.tp.ports import LockstepCopier, LockstepL3, LockstepWorker, host_page_of  # noqa: E402
+from hicache.sizes import ResolvedSizes  # noqa: E402
 from tiers import DevicePool, HostPool, KVLayout  # noqa: E402
 from tiers.copy import PageCopier  # noqa: E402
 from tiers.l3.worker import L3Worker  # noqa: E402

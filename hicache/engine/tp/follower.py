@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hicache.cache import TORCH_DTYPES, RankTiers, build_tiers
-from hicache.config import Config, from_dict, resolve_sizes
+from hicache.config import Config, from_dict
 from hicache.engine.assembly import choose_kernels, engine_namespace, kv_layout, scratch_prefill, warm_up_prefix_kernel
 from hicache.engine.engine import unpack_inputs
 from hicache.engine.host_io import HostStaging
@@ -34,6 +34,7 @@ from hicache.engine.tp.lockstep import STOP, Collectives, Plan, Report
 from hicache.engine.tp.shard import TPShard
 from hicache.engine.weights import load_model
 from hicache.modelinfo import resolve_device, resolve_dtype
+from hicache.sizes import resolve_sizes
 from tiers.layered_copy import layer_waits
 
 logger = logging.getLogger(__name__)
