@@ -156,15 +156,15 @@ class WaitingQueue:
                 req.stage_share, req.staged_at = share, now
             free -= need
 
-    def stage_pages_behind_front(self) -> int:
-        """GPU pages the stages of every request but the front one lock."""
-        return sum(r.stage_pages for r in self._queue[1:])
-
     def unstage_from_back(self, room: int) -> None:
         """Give back stages, from the back of the queue, until those behind the front lock at most `room` pages: the
-        front request is being admitted and needs the rest."""
-        held = self.stage_pages_behind_front()
-        for req in reversed(self._queue[1:]):
+        front request is being admitted and needs the rest. (Called at every admission: with no stage held it
+        costs nothing, however long the queue.)"""
+        if not self.staged:
+            return
+        behind = self._queue[1:]
+        held = sum(r.stage_pages for r in behind)
+        for req in reversed(behind):
             if held <= room:
                 return
             held -= req.stage_pages
@@ -172,10 +172,11 @@ class WaitingQueue:
 
     def unstage_all(self) -> bool:
         """Give back every stage (a running request needs GPU pages beyond its reservation); False if none."""
-        staged = [r for r in self._queue if r.stage is not None]
-        for req in staged:
+        if not self.staged:
+            return False
+        for req in self._queue:
             self._unstage(req)
-        return bool(staged)
+        return True
 
     def _unstage(self, req: Request) -> None:
         if req.stage is not None:
