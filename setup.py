@@ -8,7 +8,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 NATIVE = [
-    Extension("tiers.l3._native_io", ["tiers/l3/native_io.c"], extra_compile_args=["-O2"]),
+    Extension("tiers.l3._native_io", ["tiers/l3/native_io.c"], depends=["tiers/l3/copy_hash.h"],
+              extra_compile_args=["-O2"]),
     Extension("hicache.replay._reuse_stack", ["hicache/replay/reuse_stack.c"], extra_compile_args=["-O2"]),
 ]
 

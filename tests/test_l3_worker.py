@@ -122,3 +122,95 @@ def test_a_read_on_the_callers_thread_holds_writes_back_and_completions_go_to_th
     finally:
         store.gate.set()
         worker.close()
+
+
+class Calls(Recording):
+    """Recording that also keeps the keys of each read call."""
+
+    def __init__(self):
+        super().__init__()
+        self.read_calls: list[list[bytes]] = []
+
+    def read_pages(self, keys, out):
+        self.read_calls.append(list(keys))
+        return super().read_pages(keys, out)
+
+
+def test_reads_waiting_together_are_served_by_one_store_call_up_to_the_batch_bytes():
+    """While a read holds the one reader thread, five more queue: they are read in calls of at most 3 pages'
+    bytes (3 then 2, in order), and each read completes on its own with its own pages' results."""
+    store = Calls()
+    keys = [bytes([i]) * 16 for i in range(6)]
+    for i, k in enumerate(keys):
+        if i != 4:  # key 4 is missing: its read fails, the others in its call do not
+            store.data[k] = page(10 + i).numpy().tobytes()
+    worker = L3Worker(store, threads=1, read_batch_bytes=3 * PAGE)
+    outs = [torch.zeros(PAGE, dtype=torch.uint8) for _ in keys]
+    try:
+        worker.submit_read(0, keys[:1], outs[:1])
+        assert store.reading.wait(30)
+        for i in range(1, 6):
+            worker.submit_read(i, keys[i:i + 1], outs[i:i + 1])
+        store.gate.set()
+        assert worker.wait_idle(10)
+        assert store.read_calls == [keys[:1], keys[1:4], keys[4:6]]
+        done = {c.token: c for c in worker.completions()}
+        assert {t: c.results for t, c in done.items()} == {0: [True], 1: [True], 2: [True], 3: [True], 4: [False],
+                                                          5: [True]}
+        assert all(done[t].keys == frozenset({keys[t]}) for t in done)
+        assert all(torch.equal(outs[i], page(10 + i)) for i in range(6) if i != 4)
+        assert done[1].end == done[2].end == done[3].end and done[1].seconds == done[3].seconds  # one call's span
+    finally:
+        store.gate.set()
+        worker.close()
+
+
+def test_without_a_batch_size_every_read_is_its_own_store_call():
+    store = Calls()
+    keys = [bytes([i]) * 16 for i in range(4)]
+    worker = L3Worker(store, threads=1)
+    try:
+        for i in range(4):
+            worker.submit_read(i, keys[i:i + 1], [torch.zeros(PAGE, dtype=torch.uint8)])
+        store.gate.set()
+        assert worker.wait_idle(10)
+        assert store.read_calls == [[k] for k in keys]
+        assert sorted(c.token for c in worker.completions()) == [0, 1, 2, 3]
+    finally:
+        worker.close()
+
+
+def test_a_short_queue_is_shared_among_the_reader_threads():
+    """Four reads queue while both reader threads hold one; then one thread serves the queue alone, the other
+    still held. It takes its share of what waits (half, of two threads) each time, not the whole queue, though the
+    batch bytes would allow all four: 2, then 1, then 1."""
+    store = Calls()
+    held = threading.Event()
+    first_read = store.read_pages
+
+    def read_pages(keys, out):  # the read of key 0 waits for `held`, the others for the store's gate
+        if keys == [keys_[0]]:
+            store.read_calls.append(list(keys))
+            assert held.wait(30)
+            return MemoryL3.read_pages(store, keys, out)
+        return first_read(keys, out)
+
+    keys_ = [bytes([i]) * 16 for i in range(6)]
+    store.read_pages = read_pages
+    worker = L3Worker(store, threads=2, read_batch_bytes=64 * PAGE)
+    try:
+        worker.submit_read(0, keys_[:1], [torch.zeros(PAGE, dtype=torch.uint8)])
+        assert wait_until(lambda: len(store.read_calls) == 1)
+        worker.submit_read(1, keys_[1:2], [torch.zeros(PAGE, dtype=torch.uint8)])
+        assert store.reading.wait(30)  # both threads hold a read
+        for i in range(2, 6):
+            worker.submit_read(i, keys_[i:i + 1], [torch.zeros(PAGE, dtype=torch.uint8)])
+        store.gate.set()
+        assert wait_until(lambda: len(store.read_calls) == 5)
+        held.set()
+        assert worker.wait_idle(10)
+        assert store.read_calls == [keys_[:1], keys_[1:2], keys_[2:4], keys_[4:5], keys_[5:6]]
+    finally:
+        store.gate.set()
+        held.set()
+        worker.close()

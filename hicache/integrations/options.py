@@ -35,6 +35,7 @@ class TierOptions:
     io_threads: int = 4  # threads of the store's page I/O
     # vLLM load jobs run at once, each spreading its chunks over the I/O threads (SGLang reads on its own threads)
     jobs_threads: int = 4
+    read_batch_mib: int = 16  # vLLM load jobs waiting together are read by one store call of up to this (0: one each)
     queue_chunks: int = 4096  # chunks waiting to be written, at most; beyond it a store job fails at once
     sync_batch_mib: int = 64  # bytes written per fdatasync and index commit
     admission_hits: int = 0  # store a chunk only once it was offered this many times (0: always)
@@ -61,7 +62,7 @@ class TierOptions:
             check_positive(self.size_gib, "size_gib", source)
         for name in ("io_threads", "jobs_threads", "queue_chunks", "sync_batch_mib"):
             check_positive(getattr(self, name), name, source)
-        for name in ("admission_hits", "read_limit_gbps", "write_limit_gbps"):
+        for name in ("admission_hits", "read_batch_mib", "read_limit_gbps", "write_limit_gbps"):
             check_positive(getattr(self, name), name, source, allow_zero=True)
         if self.remote is not None:
             from tiers.persistent import remote_name

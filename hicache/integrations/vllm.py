@@ -109,7 +109,8 @@ class HicacheTier(SecondaryTierManager):
                                  vllm_store_part(config.parallel), source)
         self._rows = byte_rows(primary_kv_view)
         self._worker = L3Worker(self.chunks.store, threads=self.options.jobs_threads,
-                                queue_pages=self.options.queue_chunks, batch_pages=self.chunks.sync_batch_chunks)
+                                queue_pages=self.options.queue_chunks, batch_pages=self.chunks.sync_batch_chunks,
+                                read_batch_bytes=self.options.read_batch_mib << 20)
         self._jobs: dict[int, _Job] = {}
         self._writing: dict[bytes, int] = {}  # store key -> store jobs writing it
         self._finished: list[JobResult] = []

@@ -325,3 +325,56 @@ def test_a_mapped_call_takes_helpers_only_for_bytes_worth_a_hand_off_and_within_
     io._copying = 0
     assert helpers == [0, 0, 1, 1, 3, 3, 0, 0]  # each write's, then its read's
     store.close()
+
+
+def _cpu_has_avx2() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and " avx2" in line for line in f)
+
+
+def test_the_one_pass_copy_hashes_as_libxxhash_and_moves_every_byte(loop):
+    """copy_hash.h's xxh3_64 against libxxhash's, across the lengths where its blocks, stripes and tail change, into
+    aligned (streamed) and misaligned destinations, from misaligned sources; on where the CPU has AVX2."""
+    assert loop.one_pass == (os.uname().machine == "x86_64" and _cpu_has_avx2()
+                             and native.one_pass_enabled())
+    if not loop.one_pass:
+        pytest.skip("no one-pass copy on this CPU or with $HICACHE_ONE_PASS_COPY=0")
+    source = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8)
+    target = np.zeros(3 << 20, dtype=np.uint8)
+    lengths = [241, 255, 256, 319, 320, 1023, 1024, 1025, 1087, 1088, 1089, 2047, 2048, 4096, 65536 + 1,
+               (2 << 20) - 64, 2 << 20, (2 << 20) + 63]
+    for length in lengths:
+        for src_shift, dst_shift in ((0, 0), (3, 0), (0, 32), (5, 17)):
+            target[:] = 0
+            digest = ctypes.c_uint64()
+            assert loop.lib.hicache_copy_xxh3(target.ctypes.data + dst_shift, source.ctypes.data + src_shift,
+                                              length, ctypes.byref(digest)) == 0
+            assert digest.value == checksum(source[src_shift:src_shift + length]), (length, src_shift, dst_shift)
+            assert np.array_equal(target[dst_shift:dst_shift + length], source[src_shift:src_shift + length])
+            assert not target[:dst_shift].any() and not target[dst_shift + length:].any()  # nothing else written
+    digest = ctypes.c_uint64()
+    assert loop.lib.hicache_copy_xxh3(None, source.ctypes.data, 5000, ctypes.byref(digest)) == 0  # hash only
+    assert digest.value == checksum(source[:5000])
+    assert loop.lib.hicache_copy_xxh3(None, source.ctypes.data, 240, ctypes.byref(digest)) == -errno.EINVAL
+
+
+def test_pages_written_in_one_pass_read_back_in_pieces_and_the_reverse(loop, tmp_path):
+    """The one-pass copy and the piece loop write the same records: each reads the other's pages, verified."""
+    if not loop.one_pass:
+        pytest.skip("no one-pass copy on this CPU")
+    store = mapped_store(tmp_path / "s")
+    keys = [key(i) for i in range(4)]
+    pages = [content(k, PAGE) for k in keys]
+    try:
+        assert store.write_pages(keys[:2], pages[:2]) == [True] * 2  # one pass
+        loop.lib.hicache_copy_hash_init(None)
+        assert store.write_pages(keys[2:], pages[2:]) == [True] * 2  # in pieces
+        out = empty(PAGE, 4)
+        assert store.read_pages(keys, out) == [True] * 4
+        assert all(torch.equal(a, b) for a, b in zip(pages, out))
+    finally:
+        assert native._one_pass_copy(loop.lib, native.l3_format.stream_library())
+    out = empty(PAGE, 4)
+    assert store.read_pages(keys, out) == [True] * 4  # one pass again, every record
+    assert all(torch.equal(a, b) for a, b in zip(pages, out))
+    store.close()

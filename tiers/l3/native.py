@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tiers import native
 from tiers.l3 import format as l3_format
 
@@ -42,6 +44,7 @@ class NativePageIO:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib: Any = lib  # its functions are attributes looked up at run time
+        self.one_pass = False  # copies through a mapping hash in the copy's own pass (copy_hash.h); set by load()
         args = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_size_t,
                 ctypes.POINTER(ctypes.c_uint64))
         for name in ("hicache_read_hashed", "hicache_write_hashed"):
@@ -204,4 +207,53 @@ def load() -> NativePageIO | None:
                                addr(hash_lib.XXH3_freeState)):
         logger.warning("%s: the Python loop (the native one refused libxxhash's functions)", what)
         return None
-    return NativePageIO(lib)
+    page_io = NativePageIO(lib)
+    page_io.one_pass = _one_pass_copy(lib, hash_lib)
+    return page_io
+
+
+# Lengths that take each path of xxh3's long-input algorithm: the shortest it takes, one block, one block and a
+# byte (a partial block of no whole stripe), several blocks and a partial stripe, a 1 MiB page and a tail.
+ONE_PASS_CHECK_LENGTHS = (241, 1024, 1025, 4096 + 37, (1 << 20) + 13)
+
+
+def one_pass_enabled() -> bool:
+    """Whether copies through a slab mapping may hash in the copy's own pass ($HICACHE_ONE_PASS_COPY=0: they
+    copy, then hash each piece with libxxhash, to compare the two or to test the piece loop)."""
+    return os.environ.get("HICACHE_ONE_PASS_COPY", "1") != "0"
+
+
+def _one_pass_copy(lib: Any, hash_lib: Any) -> bool:
+    """Turn on the one-pass copy and hash of tiers/l3/copy_hash.h where the CPU has it, libxxhash hands over its
+    default secret, and its digests and bytes equal libxxhash's and the source's at ONE_PASS_CHECK_LENGTHS, into
+    an aligned destination (streamed stores) and a misaligned one. Off (logged) otherwise: pages then copy and
+    hash in pieces, with the same digests."""
+    lib.hicache_copy_hash_init.argtypes, lib.hicache_copy_hash_init.restype = (ctypes.c_void_p,), ctypes.c_int
+    lib.hicache_copy_xxh3.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                      ctypes.POINTER(ctypes.c_uint64))
+    lib.hicache_copy_xxh3.restype = ctypes.c_int
+    generate = getattr(hash_lib, "XXH3_generateSecret_fromSeed", None)
+    if not one_pass_enabled() or generate is None:
+        lib.hicache_copy_hash_init(None)
+        return False
+    secret = (ctypes.c_ubyte * 192)()
+    generate.argtypes, generate.restype = (ctypes.c_void_p, ctypes.c_uint64), None
+    generate(secret, 0)  # seed 0 gives xxh3's default secret
+    if not lib.hicache_copy_hash_init(secret):
+        return False  # no AVX2 (or not x86-64): the piece loop, as fast as this CPU's libxxhash allows
+    longest = max(ONE_PASS_CHECK_LENGTHS)
+    source = np.random.default_rng(0).integers(0, 256, longest + 64, dtype=np.uint8)
+    target = np.zeros(longest + 64, dtype=np.uint8)
+    for length in ONE_PASS_CHECK_LENGTHS:
+        for shift in (0, 7):  # 7: a destination off the 32-byte alignment the streamed stores need
+            target[:] = 0
+            digest = ctypes.c_uint64()
+            rc = lib.hicache_copy_xxh3(target.ctypes.data + shift, source.ctypes.data, length,
+                                       ctypes.byref(digest))
+            if rc or digest.value != l3_format.checksum(source[:length]) \
+                    or not np.array_equal(target[shift:shift + length], source[:length]):
+                lib.hicache_copy_hash_init(None)
+                logger.warning("L3 page I/O: the one-pass copy and hash disagrees with libxxhash at %d bytes; "
+                               "pages copy, then hash in pieces", length)
+                return False
+    return True

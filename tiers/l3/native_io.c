@@ -10,6 +10,8 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include "copy_hash.h"
+
 typedef void *(*create_fn)(void);
 typedef int (*reset_fn)(void *);
 typedef int (*update_fn)(void *, const void *, size_t);
@@ -115,16 +117,21 @@ int hicache_populate(char *p, size_t len, int writable) {
     return 1;
 }
 
-/* Copy len bytes between buf and a shared mapping of the file (`mapped` bytes long) at offset, `piece` bytes at a
-   time, hashing each piece while it is in the core's cache: a read hashes the piece it copied into buf, a write the
-   piece of buf it has just copied. The file's size is checked first: touching a mapping past the end of its file
-   raises SIGBUS, so a slab cut short gives -ENODATA instead. */
+/* Copy len bytes between buf and a shared mapping of the file (`mapped` bytes long) at offset, hashing them: in one
+   pass where the one-pass copy is on (copy_hash.h), else `piece` bytes at a time, each piece hashed while it is in
+   the core's cache (a read hashes the piece it copied into buf, a write the piece of buf it has just copied). The
+   file's size is checked first: touching a mapping past the end of its file raises SIGBUS, so a slab cut short
+   gives -ENODATA instead. */
 static int copy_mapped(char *base, size_t mapped, int fd, char *buf, size_t len, int64_t offset, size_t piece,
                        int write, uint64_t *digest) {
     struct stat st;
     if (fstat(fd, &st)) return -errno;
     if (offset < 0 || (uint64_t)offset + len > mapped || (uint64_t)offset + len > (uint64_t)st.st_size)
         return -ENODATA;
+    if (ch_enabled && len >= CH_MIN_LEN) {  /* one pass: the copy's registers are hashed as they are stored */
+        *digest = write ? ch_copy_xxh3(base + offset, buf, len) : ch_copy_xxh3(buf, base + offset, len);
+        return 0;
+    }
     void *state = h_create();
     if (!state) return -ENOMEM;
     h_reset(state);
