@@ -37,7 +37,7 @@ class TierOptions:
     jobs_threads: int = 4
     read_batch_mib: int = 16  # vLLM load jobs waiting together are read by one store call of up to this (0: one each)
     queue_chunks: int = 4096  # chunks waiting to be written, at most; beyond it a store job fails at once
-    sync_batch_mib: int = 64  # bytes written per fdatasync and index commit
+    sync_batch_mib: int = 256  # bytes per fdatasync and index commit (a group is one hand-off to the I/O threads)
     admission_hits: int = 0  # store a chunk only once it was offered this many times (0: always)
     read_limit_gbps: float = 0.0  # the store's bandwidth caps (0: none)
     write_limit_gbps: float = 0.0
