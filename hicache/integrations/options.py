@@ -4,10 +4,21 @@ or value is an error naming it, whichever engine passed it in."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hicache.config import ConfigError, build_section, check_positive
+
+
+def machine_threads() -> int:
+    """The default thread count of the tier's page I/O and of vLLM's load jobs: half the CPUs this process may run
+    on, at least 4 and at most 8. Each thread hands whole chunks to C, and a hand-off costs about as much as copying
+    a chunk, so threads beyond the cores only queue: on 2 cores, 8 threads loaded tmpfs slower than 4; on 16 cores,
+    4 threads left half the copy rate unused and 8 did best (bench/RESULTS.md, 'Engine tiers against the engines'
+    own')."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 8)
+    return min(8, max(4, cpus // 2))
 
 
 @dataclass(frozen=True)
@@ -32,9 +43,9 @@ class TierOptions:
     path: str | None = None
     size_gib: float | None = None
     io_backend: Literal["auto", "kvikio", "posix", "buffered"] = "auto"
-    io_threads: int = 4  # threads of the store's page I/O
+    io_threads: int = field(default_factory=machine_threads)  # threads of the store's page I/O
     # vLLM load jobs run at once, each spreading its chunks over the I/O threads (SGLang reads on its own threads)
-    jobs_threads: int = 4
+    jobs_threads: int = field(default_factory=machine_threads)
     read_batch_mib: int = 16  # vLLM load jobs waiting together are read by one store call of up to this (0: one each)
     queue_chunks: int = 4096  # chunks waiting to be written, at most; beyond it a store job fails at once
     sync_batch_mib: int = 256  # bytes per fdatasync and index commit (a group is one hand-off to the I/O threads)

@@ -219,6 +219,19 @@ def test_bad_options_name_the_key(tier, message):
         Engine(tier)
 
 
+@pytest.mark.parametrize("cpus, threads", [(1, 4), (2, 4), (9, 4), (10, 5), (16, 8), (64, 8)])
+def test_thread_counts_follow_the_cpus_the_process_may_use(monkeypatch, cpus, threads):
+    from hicache.integrations import options
+
+    monkeypatch.setattr(options.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    parsed = options.TierOptions.parse({"path": "/tmp/x", "size_gib": 1}, "test")
+    assert (parsed.io_threads, parsed.jobs_threads) == (threads, threads)
+    given = options.TierOptions.parse({"path": "/tmp/x", "size_gib": 1, "io_threads": 3, "jobs_threads": 2}, "test")
+    assert (given.io_threads, given.jobs_threads) == (3, 2)
+    with pytest.raises(ConfigError, match="io_threads: must be > 0"):
+        options.TierOptions.parse({"path": "/tmp/x", "size_gib": 1, "io_threads": 0}, "test")
+
+
 def test_metrics_go_through_vllms_hooks(store_dir):
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
