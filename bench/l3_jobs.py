@@ -5,7 +5,7 @@ polled as vLLM's scheduler polls `get_finished_jobs`.
 
     python3 bench/l3_jobs.py --dir /dev/shm --chunks 1000 --inflight 8 64 --read-batch-mib 0 16 64
 
-Prints GB/s of chunk bytes, store / load, the median of `--repeats` runs, each figure's runs interleaved.
+Prints (and returns) GB/s of chunk bytes, store / load, the median of `--repeats` runs, the batch sizes taking turns.
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ def run_jobs(worker: L3Worker, keys: list[bytes], rows: torch.Tensor, inflight: 
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[tuple[int, int], tuple[float, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="/dev/shm")
     parser.add_argument("--chunks", type=int, default=1000)
-    parser.add_argument("--chunk-mib", type=int, default=2)
+    parser.add_argument("--chunk-mib", type=float, default=2)
     parser.add_argument("--inflight", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--read-batch-mib", type=int, nargs="+", default=[0, 16])
     parser.add_argument("--jobs-threads", type=int, default=4)
@@ -65,12 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-batch-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    chunk = args.chunk_mib << 20
+    chunk = int(args.chunk_mib * (1 << 20))
     rows = torch.frombuffer(mmap.mmap(-1, args.chunks * chunk), dtype=torch.uint8).view(args.chunks, chunk)
     rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8))
     expected = rows.clone()
     sync_chunks = max(1, (args.sync_batch_mib << 20) // chunk)
     nbytes = args.chunks * chunk
+    results: dict[tuple[int, int], tuple[float, float]] = {}
     for inflight in args.inflight:
         runs: dict[int, list[tuple[float, float]]] = {b: [] for b in args.read_batch_mib}
         for r in range(args.repeats):
@@ -95,8 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         for batch, got in runs.items():
             store_gbps = statistics.median(g[0] for g in got)
             load_gbps = statistics.median(g[1] for g in got)
+            results[(inflight, batch)] = (store_gbps, load_gbps)
             print(f"{args.dir}: {inflight:3d} in flight, read batch {batch:3d} MiB: store {store_gbps:6.2f} GB/s, "
                   f"load {load_gbps:6.2f} GB/s", flush=True)
+    return results
 
 
 if __name__ == "__main__":
