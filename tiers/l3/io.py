@@ -27,10 +27,11 @@ IOV_MAX = 1024
 # (right before it is written) while it is in the CPU's cache: one pass over memory instead of two. Large enough
 # that a disk still sees big requests (several threads keep it busy), small enough to stay in a core's L2.
 FUSED_PIECE_BYTES = 1 << 20
-# A slab in memory (tmpfs) is copied to and from a mapping of it, hashed in pieces of this size: a quarter of a
-# 1 MiB L2, so the piece just copied is still there when it is hashed: mapped, hashed reads then beat pread of whole
-# pages with no hash, and writes through the mapping beat pwrite (tmpfs serialises pwrite on the file's lock;
-# bench/RESULTS.md, 'L3 store vs raw O_DIRECT').
+# A slab in memory (tmpfs) is copied to and from a mapping of it. Where the one-pass copy is on (x86-64 with AVX2,
+# tiers/l3/copy_hash.h) a page is copied and hashed in one pass; elsewhere it is hashed in pieces of this size, a
+# quarter of a 1 MiB L2, so the piece just copied is still there when it is hashed. Either way mapped, hashed reads
+# beat pread of whole pages with no hash, and writes through the mapping beat pwrite (tmpfs serialises pwrite on the
+# file's lock; bench/RESULTS.md, 'L3 store vs raw O_DIRECT').
 MAPPED_PIECE_BYTES = 256 << 10
 # The least a helper thread takes of a mapped call: handing work to an I/O thread and waiting for it back costs
 # about what copying and hashing 1 MiB does (50-100 us), so a smaller share is faster done by the caller itself.

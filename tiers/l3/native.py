@@ -8,8 +8,10 @@ O_DIRECT').
 
 The C source (tiers/l3/native_io.c) is built at install (setup.py, tiers/native.py). It needs nothing but libc:
 the hash functions are libxxhash's, found by tiers/l3/format.py and handed to it as pointers, so the digests are
-the same xxh3_64 the Python path computes. Where the library is not built, there is no libxxhash, or
-$HICACHE_NATIVE=0, `load()` returns None (logged once) and the Python loop runs.
+the same xxh3_64 the Python path computes. Copies through a tmpfs slab's mapping hash in the copy's own pass where
+the CPU allows (tiers/l3/copy_hash.h; its digests are checked against libxxhash's in `load`). Where the library is
+not built, there is no libxxhash, or $HICACHE_NATIVE=0, `load()` returns None (logged once) and the Python loop
+runs.
 """
 
 from __future__ import annotations
