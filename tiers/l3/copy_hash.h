@@ -14,6 +14,7 @@
    avalanched. The secret is libxxhash's default, handed in at start (`hicache_copy_hash_init`), and native.py
    checks this code's digests against libxxhash's before it uses them. x86-64 with AVX2 only; elsewhere
    `hicache_copy_hash_init` reports it off and pages are hashed by libxxhash as before. */
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -135,7 +136,7 @@ int hicache_copy_hash_init(const unsigned char *secret) {
    against libxxhash and for tests: 0 and *digest set, or -EINVAL where the one-pass copy is off or len is too
    short for it. */
 int hicache_copy_xxh3(char *dst, const char *src, size_t len, uint64_t *digest) {
-    if (!ch_enabled || len < CH_MIN_LEN) return -22; /* EINVAL */
+    if (!ch_enabled || len < CH_MIN_LEN) return -EINVAL;
     *digest = ch_copy_xxh3(dst, src, len);
     return 0;
 }

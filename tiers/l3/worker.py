@@ -46,10 +46,7 @@ class _ReadJob:
     token: Any
     keys: list[bytes]
     pages: list[Any]  # page buffers (1-D uint8 tensors)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(getattr(p, "nbytes", 0)) for p in self.pages)
+    nbytes: int = 0  # the pages' bytes, where reads are batched (read_batch_bytes)
 
 
 @dataclass
@@ -125,7 +122,9 @@ class L3Worker:
         with self._lock:
             self._outstanding += 1
             self._reads_active += 1
-        job = _ReadJob(token, list(keys), list(pages))
+        pages = list(pages)
+        nbytes = sum(int(getattr(p, "nbytes", 0)) for p in pages) if self.read_batch_bytes else 0
+        job = _ReadJob(token, list(keys), pages, nbytes)
         if self.synchronous:
             self._run_reads([job])
         else:
@@ -261,16 +260,14 @@ class L3Worker:
         submitted read: a task that finds the queue emptied by others' batches has nothing to do)."""
         batch: list[_ReadJob] = []
         nbytes = 0
-        share = -(-len(self._reads) // self.read_threads)
-        while len(batch) < max(1, share):
+        share = max(1, -(-len(self._reads) // self.read_threads)) if self.read_batch_bytes else 1
+        while len(batch) < share:
             try:
                 job = self._reads.popleft()
             except IndexError:
                 break
             batch.append(job)
             nbytes += job.nbytes
-            if nbytes >= self.read_batch_bytes:
-                break
             try:
                 following = self._reads[0]  # another thread may take it first: the batch then ends a job longer
             except IndexError:
