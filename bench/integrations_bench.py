@@ -1,6 +1,9 @@
 """hicache's engine tiers against the engines' own file tiers, on the same storage, in one run: vLLM's `fs`
 secondary tier against `HicacheTier`, and SGLang's `HiCacheFile` against `HicacheStorage`, with the raw rate of
-the storage (bench/l3_bench.py's `raw_best`) beside them.
+the storage (bench/l3_bench.py's `raw_best`) beside them. Two more arms, "vllm memcpy" and "sglang memcpy", are
+the ceilings of the harness itself: a tier that only copies each chunk to and from memory it holds, over every
+core, with no file and no checksum (`memcpy_tier`, `MemcpyBackend`). They touch no storage, so they are the same
+on every directory; where they fall short of the raw rate, no tier can reach it at that many jobs in flight.
 
     .venv/bin/python bench/integrations_bench.py --dirs /dev/shm /tmp --chunks 1000 --chunk-mib 2 --json out.json
 
@@ -23,11 +26,14 @@ import argparse
 import json
 import mmap
 import os
+import queue
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -127,9 +133,78 @@ def vllm_spec(chunk_bytes: int) -> Any:
     return TieringOffloadingSpec(config)
 
 
+def memcpy_tier(spec: Any, view: memoryview, threads: int) -> Any:
+    """A vLLM secondary tier that only copies: each chunk to and from memory it already holds, split into one
+    piece per thread, with no file, no checksum and no index. What no tier can beat on this harness: its figures
+    are the job API's own ceiling at each number of jobs in flight (a job's round trip through submit, a thread and
+    get_finished_jobs), against which the storage's raw rate is not reachable by any tier."""
+    from vllm.v1.kv_offload.base import LookupResult, RequestOffloadingContext
+    from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+
+    class MemcpyTier(SecondaryTierManager):
+        def __init__(self) -> None:
+            super().__init__(spec, view, "memcpy")
+            chunk = self.block_size_bytes
+            self.rows = np.frombuffer(view, dtype=np.uint8).reshape(-1, chunk)
+            self.held = np.zeros_like(self.rows)  # touched: the copies fault in nothing
+            self.piece = -(-chunk // threads // 4096) * 4096 if chunk >= threads * 4096 else chunk
+            self.pool = ThreadPoolExecutor(threads, thread_name_prefix="memcpy-tier")
+            self.left: dict[int, int] = {}  # job -> its pieces not yet copied
+            self.lock = threading.Condition()
+            self.done: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+        def _copy(self, job_id: int, dst: np.ndarray, src: np.ndarray) -> None:
+            np.copyto(dst, src)
+            with self.lock:
+                self.left[job_id] -= 1
+                if self.left[job_id]:
+                    return
+                del self.left[job_id]
+                self.lock.notify_all()
+            self.done.put(job_id)
+
+        def _submit(self, job: Any, load: bool) -> None:
+            dst, src = (self.rows, self.held) if load else (self.held, self.rows)
+            pieces = [(c, o) for c in job.chunk_ids for o in range(0, self.block_size_bytes, self.piece)]
+            with self.lock:
+                self.left[job.job_id] = len(pieces)
+            for c, o in pieces:
+                self.pool.submit(self._copy, job.job_id, dst[c, o:o + self.piece], src[c, o:o + self.piece])
+
+        def submit_store(self, job_metadata: Any) -> None:
+            self._submit(job_metadata, load=False)
+
+        def submit_load(self, job_metadata: Any) -> None:
+            self._submit(job_metadata, load=True)
+
+        def get_finished_jobs(self) -> list[Any]:
+            finished = []
+            while not self.done.empty():
+                finished.append(JobResult(job_id=self.done.get(), success=True))
+            return finished
+
+        def lookup(self, key: Any, req_context: Any) -> Any:
+            return LookupResult.HIT
+
+        def on_new_request(self, req_context: Any) -> Any:
+            return RequestOffloadingContext()
+
+        def drain_jobs(self) -> None:
+            with self.lock:
+                self.lock.wait_for(lambda: not self.left)
+
+        def shutdown(self) -> None:
+            self.pool.shutdown(wait=True)
+            self.rows = self.held = np.empty(0, dtype=np.uint8)
+
+    return MemcpyTier()
+
+
 def vllm_tier(kind: str, directory: str, rows: np.ndarray, chunks: int) -> Any:
     spec = vllm_spec(rows.shape[1])
     view = memoryview(rows)
+    if kind == "memcpy":
+        return memcpy_tier(spec, view, len(os.sched_getaffinity(0)))
     if kind == "fs":
         from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 
@@ -211,10 +286,32 @@ class FlatPool:
         return torch.empty(self.page_elements, dtype=torch.bfloat16)
 
 
+class MemcpyBackend:
+    """An SGLang storage backend that only copies: each page to and from memory it already holds (torch's copy,
+    over all its threads), with no file, no checksum and no index. The ceiling of a call of that many pages on this
+    machine, as `memcpy_tier` is for vLLM's jobs."""
+
+    def __init__(self, chunks: int, chunk_bytes: int) -> None:
+        self.held = torch.zeros(chunks, chunk_bytes // 2, dtype=torch.bfloat16)
+        self.slots: dict[str, int] = {}
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor]) -> bool:
+        for key, value in zip(keys, values):
+            self.held[self.slots.setdefault(key, len(self.slots))].copy_(value)
+        return True
+
+    def batch_get(self, keys: list[str], targets: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        for key, target in zip(keys, targets):
+            target.copy_(self.held[self.slots[key]])
+        return list(targets)
+
+
 def sglang_backend(kind: str, directory: str, chunks: int, chunk_bytes: int) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
+    if kind == "memcpy":
+        return MemcpyBackend(chunks, chunk_bytes)
     if kind == "file":
         extra: dict[str, Any] = {"file_storage_path": directory}
     else:
@@ -277,7 +374,8 @@ def bench_sglang(kind: str, root: str, rows: np.ndarray, per_job: int, inflight:
 
 
 SYSTEMS = {"vllm fs": ("vllm", "fs"), "vllm HicacheTier": ("vllm", "hicache"),
-           "sglang HiCacheFile": ("sglang", "file"), "sglang HicacheStorage": ("sglang", "hicache")}
+           "sglang HiCacheFile": ("sglang", "file"), "sglang HicacheStorage": ("sglang", "hicache"),
+           "vllm memcpy": ("vllm", "memcpy"), "sglang memcpy": ("sglang", "memcpy")}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -214,3 +214,69 @@ def test_a_short_queue_is_shared_among_the_reader_threads():
         store.gate.set()
         held.set()
         worker.close()
+
+
+class GatedWrites(Recording):
+    """Recording whose writes wait for `write_gate` and keep each call's keys and thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.write_gate = threading.Event()
+        self.write_calls: list[tuple[list[bytes], str]] = []
+
+    def write_pages(self, keys, pages):
+        self.write_calls.append((list(keys), threading.current_thread().name))
+        self.wrote.set()
+        assert self.write_gate.wait(30)
+        return MemoryL3.write_pages(self, keys, pages)
+
+
+def batches_after_a_held_write(overlap: bool) -> list[list[bytes]]:
+    """The writer's store calls when six one-page writes queue behind one that holds it."""
+    store = GatedWrites()
+    keys = [bytes([i]) * 16 for i in range(7)]
+    worker = L3Worker(store, threads=1, batch_pages=64, overlap_writes=overlap)
+    try:
+        assert worker.submit_write(0, keys[:1], [page(0)])
+        assert store.wrote.wait(30)
+        for i in range(1, 7):
+            assert worker.submit_write(i, keys[i:i + 1], [page(i)])
+        store.write_gate.set()
+        assert worker.wait_idle(10)
+        assert sorted(c.token for c in worker.completions()) == list(range(7))
+        assert all(store.data[k] == page(i).numpy().tobytes() for i, k in enumerate(keys))
+        return [call for call, _ in store.write_calls]
+    finally:
+        store.write_gate.set()
+        worker.close()
+
+
+def test_overlapped_writes_leave_half_of_the_queue_for_the_next_batch():
+    """With `overlap_writes`, six queued pages are written as 3, 2 and 1 (half of what waits, rounded up), so that
+    jobs complete while others wait to be written; without it the writer takes all six at once."""
+    keys = [bytes([i]) * 16 for i in range(7)]
+    assert batches_after_a_held_write(True) == [keys[:1], keys[1:4], keys[4:6], keys[6:7]]
+    assert batches_after_a_held_write(False) == [keys[:1], keys[1:7]]
+
+
+def test_a_write_on_the_callers_thread_only_where_no_other_is_queued_or_running():
+    """`write_now` writes on the calling thread when the writer has nothing; while a queued write runs it writes
+    nothing and returns None (the caller submits instead, to share the writer's batch)."""
+    store = GatedWrites()
+    worker = L3Worker(store, threads=1)
+    try:
+        assert worker.submit_write("w", [b"w" * 16], [page(1)])
+        assert store.wrote.wait(30)
+        assert worker.write_now([b"n" * 16], [page(2)]) is None
+        store.write_gate.set()
+        assert worker.wait_idle(10)
+        assert worker.write_now([b"n" * 16, b"w" * 16], [page(2), page(1)]) == [True, True]
+        assert [(keys, thread == threading.current_thread().name) for keys, thread in store.write_calls] == [
+            ([b"w" * 16], False), ([b"n" * 16, b"w" * 16], True)]
+        assert store.data[b"n" * 16] == page(2).numpy().tobytes()
+        assert [(c.token, c.results) for c in worker.completions()] == [("w", [True])]
+    finally:
+        store.write_gate.set()
+        worker.close()
+    assert worker.write_now([b"c" * 16], [page(3)]) is None  # closed: nothing written
+    assert b"c" * 16 not in store.data

@@ -115,11 +115,11 @@ class ChunkStore:
 
 class WaitedJobs:
     """A store's reads and writes for callers that wait for their own (SGLang calls its backend from threads of its
-    own). Writes go to an L3Worker, so that concurrent callers' writes share its writer's synced batches (one
-    fdatasync and index commit for many calls); its writer hands each completion straight to the caller's future.
-    Reads run on the caller's thread (`L3Worker.read_now`): it would only wait for a reader thread, and each
-    hand-off between threads cost a small call more than its I/O (bench/RESULTS.md, 'Engine tiers against the
-    engines' own')."""
+    own). Reads, and writes that meet no other write, run on the caller's thread (`L3Worker.read_now`,
+    `write_now`): it would only wait for an I/O thread, and each hand-off between threads cost a small call more
+    than its I/O (bench/RESULTS.md, 'Engine tiers against the engines' own'). A write that meets another goes to an
+    L3Worker, so that concurrent callers' writes share its writer's synced batches (one fdatasync and index commit
+    for many calls); its writer hands each completion straight to the caller's future."""
 
     def __init__(self, store: Any, queue_pages: int, batch_pages: int) -> None:
         self._waiting: dict[int, Future[Completion]] = {}
@@ -131,6 +131,9 @@ class WaitedJobs:
 
     def write(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
         """Store pages; True where stored (or already present). False for all when the write queue is full."""
+        stored = self.worker.write_now(keys, pages)
+        if stored is not None:
+            return stored
         done: Future[Completion] = Future()
         with self._lock:
             token = next(self._tokens)

@@ -62,7 +62,7 @@ class L3Worker:
 
     def __init__(self, store: Any, threads: int = 2, queue_pages: int = 4096, batch_pages: int = 32,
                  synchronous: bool = False, on_complete: Callable[[Completion], None] | None = None,
-                 read_batch_bytes: int = 0):
+                 read_batch_bytes: int = 0, overlap_writes: bool = False):
         """on_complete: called with each completion on the I/O thread that finished it, instead of queuing it for
         `completions` (callers that each wait for their own job: hicache/integrations/chunks.py).
 
@@ -70,8 +70,16 @@ class L3Worker:
         this many bytes (0: one call per read). A store call costs tens of microseconds of Python before its
         copies start, as much as copying a 2 MiB chunk from tmpfs takes one core; callers that submit one small
         read per job (vLLM's load jobs of a chunk each) then spend a third of the time in it. Each read still
-        completes on its own, at the end of its batch."""
+        completes on its own, at the end of its batch.
+
+        overlap_writes: the writer takes at most half of the queued pages (rounded up, whole jobs, at least one job)
+        into a batch, for callers that keep a window of jobs outstanding and submit a new one as each completes
+        (vLLM's scheduler). Taking the whole queue would complete the window all at once, and the writer would
+        then idle until the caller noticed and refilled it; with half, the jobs left behind are the next batch,
+        written while the caller refills behind them. Batches are smaller (more syncs and commits), so the
+        engine's own controller, which queues a backlog and waits for none of it, keeps whole batches."""
         self.store = store
+        self.overlap_writes = overlap_writes
         self.read_batch_bytes = read_batch_bytes
         self.read_threads = max(1, threads)
         self._reads: collections.deque[_ReadJob] = collections.deque()
@@ -84,6 +92,7 @@ class L3Worker:
         self._outstanding = 0
         self._reads_active = 0  # reads queued or running
         self._writing = False  # a write batch is running
+        self._writing_now = False  # a caller's write runs on its own thread (`write_now`)
         self._write_ended = 0.0  # time.monotonic() when the last write batch ended
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -131,6 +140,23 @@ class L3Worker:
             self._reads.append(job)
             self._reader.submit(self._take_reads)
 
+    def write_now(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool] | None:
+        """Write pages on the calling thread, for a caller that would only wait for the writer: True where stored
+        (or already present). None, with nothing written, while another write is queued or running: submit it
+        instead, so that concurrent callers still share the writer's synced batches. Like the writer, it first
+        yields to the reads in progress."""
+        with self._lock:
+            if self._closed or self._queued_pages or self._writing_now:
+                return None
+            self._writing_now = True
+        try:
+            self._yield_to_reads()
+            return self._store_write(list(keys), list(pages))[0]
+        finally:
+            with self._idle:
+                self._writing_now = False
+                self._idle.notify_all()
+
     def read_now(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
         """Read keys into page buffers on the calling thread, for a caller that would only wait for a queued read:
         it saves the hand-offs to a reader thread and back. It counts as a read in progress, so the writer
@@ -176,8 +202,9 @@ class L3Worker:
 
     def close(self) -> None:
         """Finish queued work, then stop the threads."""
-        with self._lock:
+        with self._idle:
             self._closed = True
+            self._idle.wait_for(lambda: not self._writing_now)  # a caller's write in progress (`write_now`)
         if not self.synchronous:
             self._writes.put(None)
             self._writer.join()
@@ -209,7 +236,10 @@ class L3Worker:
                 return
             batch = [job]
             pages = len(job.keys)
-            while pages < self.batch_pages:  # group queued jobs into one synced batch
+            limit = self.batch_pages
+            if self.overlap_writes:  # leave half of the queue for the next batch (see __init__)
+                limit = min(limit, -(-self._queued_pages // 2))
+            while pages < limit:  # group queued jobs into one synced batch
                 try:
                     nxt = self._writes.get_nowait()
                 except queue.Empty:
@@ -231,20 +261,7 @@ class L3Worker:
             keys.extend(job.keys)
             pages.extend(job.pages)
         start = time.perf_counter()
-        detailed = getattr(self.store, "write_pages_detailed", None)  # L3Store: with the reasons of refusals
-        self._writing = True
-        try:
-            if detailed is not None:
-                results, reasons = detailed(keys, pages)
-            else:
-                results = list(self.store.write_pages(keys, pages))
-                reasons = [None] * len(keys)
-        except Exception:  # the store reports I/O faults as False; anything else is a bug, keep serving
-            logger.exception("L3 write of %d pages failed", len(keys))
-            results, reasons = [False] * len(keys), [None] * len(keys)
-        finally:
-            self._write_ended = time.monotonic()
-            self._writing = False
+        results, reasons = self._store_write(keys, pages)
         end = self._write_ended
         i = 0
         for job in batch:
@@ -253,6 +270,22 @@ class L3Worker:
             self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys), elapsed, end,
                                     reasons=tuple(reasons[i : i + n])), n)
             i += n
+
+    def _store_write(self, keys: list[bytes], pages: list[Any]) -> tuple[list[bool], list[str | None]]:
+        """One store write call: per page, whether stored, and why not where the store says."""
+        detailed = getattr(self.store, "write_pages_detailed", None)  # L3Store: with the reasons of refusals
+        self._writing = True
+        try:
+            if detailed is not None:
+                results, reasons = detailed(keys, pages)
+                return list(results), list(reasons)
+            return list(self.store.write_pages(keys, pages)), [None] * len(keys)
+        except Exception:  # the store reports I/O faults as False; anything else is a bug, keep serving
+            logger.exception("L3 write of %d pages failed", len(keys))
+            return [False] * len(keys), [None] * len(keys)
+        finally:
+            self._write_ended = time.monotonic()
+            self._writing = False
 
     def _take_reads(self) -> None:
         """Serve the oldest queued read, with the reads queued behind it up to `read_batch_bytes`, and up to this
