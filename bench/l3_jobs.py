@@ -63,8 +63,6 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], tuple[float, fl
     parser.add_argument("--jobs-threads", type=int, default=4)
     parser.add_argument("--io-threads", type=int, default=4)
     parser.add_argument("--sync-batch-mib", type=int, default=256)
-    parser.add_argument("--overlap-writes", type=int, choices=(0, 1), default=1,
-                        help="the writer leaves half of the queue for its next batch, as HicacheTier's does")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     chunk = int(args.chunk_mib * (1 << 20))
@@ -84,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[int, int], tuple[float, fl
                                  io_threads=args.io_threads, sync_batch_pages=sync_chunks) as store:
                         store.settle()
                         worker = L3Worker(store, threads=args.jobs_threads, batch_pages=sync_chunks,
-                                          read_batch_bytes=batch << 20, overlap_writes=bool(args.overlap_writes))
+                                          read_batch_bytes=batch << 20)
                         keys = [(r * args.chunks + i).to_bytes(16, "little") for i in range(args.chunks)]
                         stored = run_jobs(worker, keys, rows, inflight, load=False)
                         rows.zero_()

@@ -231,34 +231,6 @@ class GatedWrites(Recording):
         return MemoryL3.write_pages(self, keys, pages)
 
 
-def batches_after_a_held_write(overlap: bool) -> list[list[bytes]]:
-    """The writer's store calls when six one-page writes queue behind one that holds it."""
-    store = GatedWrites()
-    keys = [bytes([i]) * 16 for i in range(7)]
-    worker = L3Worker(store, threads=1, batch_pages=64, overlap_writes=overlap)
-    try:
-        assert worker.submit_write(0, keys[:1], [page(0)])
-        assert store.wrote.wait(30)
-        for i in range(1, 7):
-            assert worker.submit_write(i, keys[i:i + 1], [page(i)])
-        store.write_gate.set()
-        assert worker.wait_idle(10)
-        assert sorted(c.token for c in worker.completions()) == list(range(7))
-        assert all(store.data[k] == page(i).numpy().tobytes() for i, k in enumerate(keys))
-        return [call for call, _ in store.write_calls]
-    finally:
-        store.write_gate.set()
-        worker.close()
-
-
-def test_overlapped_writes_leave_half_of_the_queue_for_the_next_batch():
-    """With `overlap_writes`, six queued pages are written as 3, 2 and 1 (half of what waits, rounded up), so that
-    jobs complete while others wait to be written; without it the writer takes all six at once."""
-    keys = [bytes([i]) * 16 for i in range(7)]
-    assert batches_after_a_held_write(True) == [keys[:1], keys[1:4], keys[4:6], keys[6:7]]
-    assert batches_after_a_held_write(False) == [keys[:1], keys[1:7]]
-
-
 def test_a_write_on_the_callers_thread_only_where_no_other_is_queued_or_running():
     """`write_now` writes on the calling thread when the writer has nothing; while a queued write runs it writes
     nothing and returns None (the caller submits instead, to share the writer's batch)."""

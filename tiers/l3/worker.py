@@ -62,7 +62,7 @@ class L3Worker:
 
     def __init__(self, store: Any, threads: int = 2, queue_pages: int = 4096, batch_pages: int = 32,
                  synchronous: bool = False, on_complete: Callable[[Completion], None] | None = None,
-                 read_batch_bytes: int = 0, overlap_writes: bool = False):
+                 read_batch_bytes: int = 0):
         """on_complete: called with each completion on the I/O thread that finished it, instead of queuing it for
         `completions` (callers that each wait for their own job: hicache/integrations/chunks.py).
 
@@ -70,16 +70,8 @@ class L3Worker:
         this many bytes (0: one call per read). A store call costs tens of microseconds of Python before its
         copies start, as much as copying a 2 MiB chunk from tmpfs takes one core; callers that submit one small
         read per job (vLLM's load jobs of a chunk each) then spend a third of the time in it. Each read still
-        completes on its own, at the end of its batch.
-
-        overlap_writes: the writer takes at most half of the queued pages (rounded up, whole jobs, at least one job)
-        into a batch, for callers that keep a window of jobs outstanding and submit a new one as each completes
-        (vLLM's scheduler). Taking the whole queue would complete the window all at once, and the writer would
-        then idle until the caller noticed and refilled it; with half, the jobs left behind are the next batch,
-        written while the caller refills behind them. Batches are smaller (more syncs and commits), so the
-        engine's own controller, which queues a backlog and waits for none of it, keeps whole batches."""
+        completes on its own, at the end of its batch."""
         self.store = store
-        self.overlap_writes = overlap_writes
         self.read_batch_bytes = read_batch_bytes
         self.read_threads = max(1, threads)
         self._reads: collections.deque[_ReadJob] = collections.deque()
@@ -236,10 +228,7 @@ class L3Worker:
                 return
             batch = [job]
             pages = len(job.keys)
-            limit = self.batch_pages
-            if self.overlap_writes:  # leave half of the queue for the next batch (see __init__)
-                limit = min(limit, -(-self._queued_pages // 2))
-            while pages < limit:  # group queued jobs into one synced batch
+            while pages < self.batch_pages:  # group queued jobs into one synced batch
                 try:
                     nxt = self._writes.get_nowait()
                 except queue.Empty:
