@@ -242,7 +242,7 @@ def test_a_write_on_the_callers_thread_only_where_no_other_is_queued_or_running(
         assert worker.write_now([b"n" * 16], [page(2)]) is None
         store.write_gate.set()
         assert worker.wait_idle(10)
-        assert worker.write_now([b"n" * 16, b"w" * 16], [page(2), page(1)]) == [True, True]
+        assert worker.write_now([b"n" * 16, b"w" * 16], [page(2), page(1)]) == ([True, True], [None, None])
         assert [(keys, thread == threading.current_thread().name) for keys, thread in store.write_calls] == [
             ([b"w" * 16], False), ([b"n" * 16, b"w" * 16], True)]
         assert store.data[b"n" * 16] == page(2).numpy().tobytes()

@@ -34,6 +34,9 @@ from tiers.persistent import open_persistent
 logger = logging.getLogger(__name__)
 
 _GIB = 1 << 30
+# a page the store refused for one of these reasons was no failure of the tier: the admission rule skipped it on
+# purpose, or another call is writing it (tiers/l3/store_write.py)
+DELIBERATE_REFUSALS = ("not_admitted", "busy")
 
 
 def chunk_key(engine_key: bytes, salt: str | None = None) -> bytes:
@@ -130,10 +133,12 @@ class WaitedJobs:
                                on_complete=self._deliver)
 
     def write(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
-        """Store pages; True where stored (or already present). False for all when the write queue is full."""
-        stored = self.worker.write_now(keys, pages)
-        if stored is not None:
-            return stored
+        """Store pages; True where stored, already present, or refused on purpose (`DELIBERATE_REFUSALS`), so that a
+        caller that gives up at a failed page (SGLang's backup stops the rest of its pages there) does so only at a
+        real failure. False for all when the write queue is full."""
+        now = self.worker.write_now(keys, pages)
+        if now is not None:
+            return handled(*now)
         done: Future[Completion] = Future()
         with self._lock:
             token = next(self._tokens)
@@ -142,7 +147,8 @@ class WaitedJobs:
             with self._lock:
                 self._waiting.pop(token)
             return [False] * len(keys)
-        return done.result().results
+        completion = done.result()
+        return handled(completion.results, list(completion.reasons))
 
     def read(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
         """Read pages into buffers; True where read and verified."""
@@ -156,6 +162,13 @@ class WaitedJobs:
         with self._lock:
             done = self._waiting.pop(completion.token)
         done.set_result(completion)
+
+
+def handled(results: Sequence[bool], reasons: Sequence[str | None]) -> list[bool]:
+    """Per page: stored, or refused for one of `DELIBERATE_REFUSALS` (`reasons` may be empty: a store that gives
+    none)."""
+    why = list(reasons) or [None] * len(results)
+    return [ok or reason in DELIBERATE_REFUSALS for ok, reason in zip(results, why)]
 
 
 def byte_rows(view: memoryview) -> torch.Tensor:

@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager, TransferJob
 
-from hicache.integrations.chunks import ChunkStore, byte_rows, chunk_key
+from hicache.integrations.chunks import ChunkStore, byte_rows, chunk_key, handled
 from hicache.integrations.options import TierOptions
 from tiers.l3.worker import L3Worker
 
@@ -50,10 +50,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = logging.getLogger(__name__)
-
-# a store refused for one of these reasons was not a failure of the tier: the admission rule skipped the chunk on
-# purpose, or another job is writing the same chunk (tiers/l3/store_write.py)
-DELIBERATE_REFUSALS = ("not_admitted", "busy")
 
 # counters of the L3 store and of the remote tier exported as vLLM metrics, as their deltas between get_stats calls
 STORE_COUNTERS = {
@@ -246,8 +242,7 @@ class HicacheTier(SecondaryTierManager):
                 self._names[k] = key
         if self._events is not None and stored:
             self._events.append(self._event(stored, removed=False))
-        why = reasons or (None,) * len(results)
-        success = all(ok or reason in DELIBERATE_REFUSALS for ok, reason in zip(results, why))
+        success = all(handled(results, reasons))
         return JobResult(job_id=job_id, success=success, transfer_time=seconds, transfer_bytes=nbytes)
 
     def _note_evictions(self) -> None:

@@ -288,3 +288,25 @@ def test_bad_options_name_the_key(extra, message):
 def test_mla_across_ranks_needs_the_shared_tier(tmp_path):
     with pytest.raises(ConfigError, match="shared tier"):
         HicacheStorage(storage_config({**DYNAMIC, "path": str(tmp_path), "size_gib": 1}, mla=True, tp=(0, 2)))
+
+
+def test_pages_the_admission_rule_skips_are_no_failed_backup(tmp_path):
+    """With `admission_hits: 2` a page is stored at its second offer. The first `batch_set` stores nothing and still
+    answers True: SGLang's backup stops the rest of an operation at a False, and a page skipped on purpose is no
+    failure. A real failure still answers False."""
+    pool = host_pool("page_first")
+    fill(pool, 3)
+    backend = open_backend(pool, tmp_path, extra={"admission_hits": 2})
+    try:
+        keys, values = page_keys(3), pages(pool, range(0, 12, 4))
+        assert backend.batch_set(keys, values) is True
+        assert backend.batch_exists(keys) == 0 and backend.chunks.store.stats()["not_admitted"] == 6
+        assert backend.batch_set_v1(keys, torch.arange(0, 12)) == [True] * 3
+        assert backend.batch_exists(keys) == 3
+        assert backend.batch_get_v1(keys, torch.arange(20, 32)) == [True] * 3
+        assert all(torch.equal(pool.get_data_page(20 + i), pool.get_data_page(i)) for i in range(0, 12, 4))
+        store = backend.chunks.store
+        store.write_pages_detailed = lambda ks, ps: ([False] * len(ks), ["failed"] * len(ks))  # an I/O error
+        assert backend.batch_set(page_keys(1, 40), pages(pool, [40])) is False
+    finally:
+        backend.close()

@@ -132,18 +132,20 @@ class L3Worker:
             self._reads.append(job)
             self._reader.submit(self._take_reads)
 
-    def write_now(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool] | None:
-        """Write pages on the calling thread, for a caller that would only wait for the writer: True where stored
-        (or already present). None, with nothing written, while another write is queued or running: submit it
-        instead, so that concurrent callers still share the writer's synced batches. Like the writer, it first
-        yields to the reads in progress."""
+    def write_now(self, keys: Sequence[bytes],
+                  pages: Sequence[Any]) -> tuple[list[bool], list[str | None]] | None:
+        """Write pages on the calling thread, for a caller that would only wait for the writer: per page, True where
+        stored (or already present), and why not where the store says (as a write's `Completion.reasons`). None,
+        with nothing written, while another write is queued or running: submit it instead, so that concurrent
+        callers still share the writer's synced batches. Like the writer, it first yields to the reads in
+        progress."""
         with self._lock:
             if self._closed or self._queued_pages or self._writing_now:
                 return None
             self._writing_now = True
         try:
             self._yield_to_reads()
-            return self._store_write(list(keys), list(pages))[0]
+            return self._store_write(list(keys), list(pages))
         finally:
             with self._idle:
                 self._writing_now = False
