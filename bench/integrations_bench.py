@@ -289,8 +289,8 @@ class FlatPool:
 
 class MemcpyBackend:
     """An SGLang storage backend that only copies: each page to and from memory it already holds (torch's copy,
-    over all its threads), with no file, no checksum and no index. The ceiling of a call of that many pages on this
-    machine, as `memcpy_tier` is for vLLM's jobs."""
+    over all its threads), with no file, no checksum and no index: what a call of that many pages allows on this
+    machine a backend that does no other work, as `memcpy_tier` is for vLLM's jobs."""
 
     def __init__(self, chunks: int, chunk_bytes: int) -> None:
         self.held = torch.zeros(chunks, chunk_bytes // 2, dtype=torch.bfloat16)

@@ -148,7 +148,7 @@ class WaitedJobs:
                 self._waiting.pop(token)
             return [False] * len(keys)
         completion = done.result()
-        return handled(completion.results, list(completion.reasons))
+        return handled(completion.results, completion.reasons)
 
     def read(self, keys: Sequence[bytes], pages: Sequence[Any]) -> list[bool]:
         """Read pages into buffers; True where read and verified."""

@@ -254,10 +254,10 @@ class L3Worker:
         start = time.perf_counter()
         results, reasons = self._store_write(keys, pages)
         end = self._write_ended
+        elapsed = time.perf_counter() - start
         i = 0
         for job in batch:
             n = len(job.keys)
-            elapsed = time.perf_counter() - start
             self._finish(Completion("write", job.token, results[i : i + n], frozenset(job.keys), elapsed, end,
                                     reasons=tuple(reasons[i : i + n])), n)
             i += n
